@@ -1,0 +1,216 @@
+"""The data fadiag produces: one CallRecord per attention call, one StepReport per step, Flags.
+
+Plain dataclasses with no torch in them, so sinks, rules and the CLI can use them anywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+Shape = tuple[int, int, int, int, int]
+"""(B, H, Sq, Sk, D): batch, query heads, query length, key length, head dim."""
+
+
+@dataclass
+class CallRecord:
+    """One attention call, measured.
+
+    Times are device seconds (CUDA/NPU events, or the host clock on CPU); bytes are device bytes.
+    ``backward_seconds`` is 0.0 for a call whose backward never ran (no grad, or not yet).
+    """
+
+    site: str
+    impl: str
+    shape: Shape
+    dtype: str
+    causal: bool
+    dropout: float = 0.0
+    kv_heads: int = 0
+    layout: str = "BHSD"
+    device: str = "cpu"
+    forward_seconds: float = 0.0
+    backward_seconds: float = 0.0
+    kept_bytes: int | None = None
+    standard_bytes: int = 0
+    peak_bytes: int | None = None
+    recompute: bool = False
+    interceptor: str = "sdpa"
+    fallback_reason: str | None = None
+
+    @property
+    def memory_savings(self) -> float | None:
+        if self.kept_bytes is None or self.standard_bytes <= 0:
+            return None
+        return 1.0 - self.kept_bytes / self.standard_bytes
+
+    @property
+    def ratio(self) -> float | None:
+        return ratio(self.backward_seconds, self.forward_seconds)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        d["shape"] = list(self.shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CallRecord:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        kwargs["shape"] = tuple(kwargs.get("shape", (0, 0, 0, 0, 0)))
+        return cls(**kwargs)
+
+
+@dataclass
+class Flag:
+    """A rule that fired: what, how far over its threshold, where, and what to do about it."""
+
+    rule: str
+    value: float
+    threshold: float
+    step: int
+    site: str
+    message: str
+    impl: str = ""
+    shape: Shape | None = None
+    rank: int = 0
+    cleared: bool = False
+
+    def to_dict(self) -> dict[str, Any]:
+        d = dataclasses.asdict(self)
+        if self.shape is not None:
+            d["shape"] = list(self.shape)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Flag:
+        names = {f.name for f in dataclasses.fields(cls)}
+        kwargs = {k: v for k, v in d.items() if k in names}
+        if kwargs.get("shape") is not None:
+            kwargs["shape"] = tuple(kwargs["shape"])
+        return cls(**kwargs)
+
+
+@dataclass
+class SiteSummary:
+    """One call site's totals within a step."""
+
+    site: str
+    impl: str
+    shape: Shape
+    dtype: str
+    calls: int
+    forward_seconds: float
+    backward_seconds: float
+    kept_bytes: int | None
+    standard_bytes: int
+
+    @property
+    def ratio(self) -> float | None:
+        return ratio(self.backward_seconds, self.forward_seconds)
+
+    @property
+    def memory_savings(self) -> float | None:
+        if self.kept_bytes is None or self.standard_bytes <= 0:
+            return None
+        return 1.0 - self.kept_bytes / self.standard_bytes
+
+
+@dataclass
+class StepReport:
+    """Everything fadiag knows about one training step, once the device has finished it.
+
+    Example::
+
+        report = session.last_step()
+        if report and report.ratio and report.ratio > 3:
+            print(report.step, report.sites()[0].impl)
+    """
+
+    step: int
+    forward_seconds: float
+    backward_seconds: float
+    kept_bytes: int | None
+    standard_bytes: int
+    peak_bytes: int | None
+    step_peak_bytes: int | None = None
+    calls: list[CallRecord] = field(default_factory=list)
+    flags: list[Flag] = field(default_factory=list)
+    rank: int = 0
+    wall_time: float = 0.0
+    recompute_seconds: float = 0.0
+
+    @property
+    def ratio(self) -> float | None:
+        return ratio(self.backward_seconds, self.forward_seconds)
+
+    @property
+    def memory_savings(self) -> float | None:
+        if self.kept_bytes is None or self.standard_bytes <= 0:
+            return None
+        return 1.0 - self.kept_bytes / self.standard_bytes
+
+    @property
+    def attention_seconds(self) -> float:
+        return self.forward_seconds + self.backward_seconds
+
+    def sites(self) -> list[SiteSummary]:
+        """Per-site totals, in first-call order."""
+        by_site: dict[str, SiteSummary] = {}
+        for c in self.calls:
+            s = by_site.get(c.site)
+            if s is None:
+                s = by_site[c.site] = SiteSummary(
+                    c.site, c.impl, c.shape, c.dtype, 0, 0.0, 0.0, 0, 0
+                )
+            if not c.recompute:
+                s.calls += 1
+                s.forward_seconds += c.forward_seconds
+                s.standard_bytes += c.standard_bytes
+                if s.kept_bytes is not None:
+                    s.kept_bytes = None if c.kept_bytes is None else s.kept_bytes + c.kept_bytes
+            s.backward_seconds += c.backward_seconds
+        return list(by_site.values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "step": self.step,
+            "rank": self.rank,
+            "wall_time": self.wall_time,
+            "forward_seconds": self.forward_seconds,
+            "backward_seconds": self.backward_seconds,
+            "recompute_seconds": self.recompute_seconds,
+            "ratio": self.ratio,
+            "kept_bytes": self.kept_bytes,
+            "standard_bytes": self.standard_bytes,
+            "memory_savings": self.memory_savings,
+            "peak_bytes": self.peak_bytes,
+            "step_peak_bytes": self.step_peak_bytes,
+            "calls": [c.to_dict() for c in self.calls],
+            "flags": [f.to_dict() for f in self.flags],
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> StepReport:
+        return cls(
+            step=int(d["step"]),
+            forward_seconds=float(d["forward_seconds"]),
+            backward_seconds=float(d["backward_seconds"]),
+            kept_bytes=d.get("kept_bytes"),
+            standard_bytes=int(d.get("standard_bytes", 0)),
+            peak_bytes=d.get("peak_bytes"),
+            step_peak_bytes=d.get("step_peak_bytes"),
+            calls=[CallRecord.from_dict(c) for c in d.get("calls", [])],
+            flags=[Flag.from_dict(f) for f in d.get("flags", [])],
+            rank=int(d.get("rank", 0)),
+            wall_time=float(d.get("wall_time", 0.0)),
+            recompute_seconds=float(d.get("recompute_seconds", 0.0)),
+        )
+
+
+def ratio(backward: float, forward: float) -> float | None:
+    """backward / forward, or None when there is no forward time to divide by."""
+    if forward <= 0.0 or backward <= 0.0:
+        return None
+    return backward / forward
