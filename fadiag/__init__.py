@@ -1,0 +1,33 @@
+"""fadiag: always-on diagnostics for attention in PyTorch training.
+
+    import fadiag
+    session = fadiag.attach()          # every attention call measured, rules checked, /metrics served
+    ...train...
+    print(session.last_step())
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from .config import Config, load_config
+from .errors import ConfigError, FadiagError
+from .records import CallRecord, Flag, StepReport
+from .session import Session, attach, current_session, detach, instrument, step
+
+__all__ = [
+    "CallRecord",
+    "Config",
+    "ConfigError",
+    "FadiagError",
+    "Flag",
+    "Session",
+    "StepReport",
+    "__version__",
+    "attach",
+    "current_session",
+    "detach",
+    "instrument",
+    "load_config",
+    "step",
+]

@@ -1,0 +1,57 @@
+"""The memory model: what standard attention keeps for backward, and what flash-style kernels keep.
+
+One documented formula, used by the recorder for `standard_bytes`, by `fadiag estimate`, and
+validated against the real math backend by `fadiag bench`.
+"""
+
+from __future__ import annotations
+
+LSE_BYTES = 4
+"""logsumexp is kept in fp32 by every flash-style kernel (CUDA, CPU, NPU softmax stats)."""
+
+
+def standard_bytes(
+    batch: int,
+    heads: int,
+    seq_q: int,
+    seq_k: int,
+    head_dim: int,
+    elem_size: int,
+    dropout: float = 0.0,
+    head_dim_v: int | None = None,
+) -> int:
+    """Bytes standard (unfused) attention keeps from forward for backward, beyond q, k, v.
+
+    O [B, H, Sq, Dv] plus S and P, each [B, H, Sq, Sk], all in the compute dtype, plus a one-byte
+    dropout mask [B, H, Sq, Sk] when dropout > 0::
+
+        standard = B*H*Sq*Dv*e + 2*B*H*Sq*Sk*e + (B*H*Sq*Sk if dropout > 0)
+    """
+    dv = head_dim if head_dim_v is None else head_dim_v
+    matrix = batch * heads * seq_q * seq_k
+    out = batch * heads * seq_q * dv * elem_size
+    mask = matrix if dropout > 0.0 else 0
+    return out + 2 * matrix * elem_size + mask
+
+
+def flash_bytes(
+    batch: int,
+    heads: int,
+    seq_q: int,
+    head_dim: int,
+    elem_size: int,
+    dropout: float = 0.0,
+    head_dim_v: int | None = None,
+) -> int:
+    """Bytes a flash-style kernel keeps beyond q, k, v: O plus an fp32 logsumexp per query row.
+
+    The dropout RNG state (seed, offset: 16 bytes) is kept instead of a mask.
+    """
+    dv = head_dim if head_dim_v is None else head_dim_v
+    rng = 16 if dropout > 0.0 else 0
+    return batch * heads * seq_q * (dv * elem_size + LSE_BYTES) + rng
+
+
+def savings(kept: int, standard: int) -> float:
+    """1 - kept / standard."""
+    return 1.0 - kept / standard
