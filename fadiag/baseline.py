@@ -1,0 +1,96 @@
+"""Baselines for the regression rule: per-site medians keyed by shape, dtype, device and impl.
+
+Written by `fadiag baseline save` (from a live session's history or a run's JSONL) and read by
+the regression rule; a file that matches nothing in the run is a warning, never a crash.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from .errors import BaselineError
+from .records import SiteSummary, StepReport
+
+FORMAT_VERSION = 1
+
+
+def site_key(s: SiteSummary, device: str) -> str:
+    """The baseline key of a site: where, what shape and dtype, on what device, by which impl."""
+    b, h, sq, sk, d = s.shape
+    return f"{s.site}|{b}x{h}x{sq}x{sk}x{d}|{s.dtype}|{device}|{s.impl}"
+
+
+@dataclass
+class Baseline:
+    """Median forward/backward seconds per site key."""
+
+    device: str
+    entries: dict[str, dict[str, float]]
+    steps: int = 0
+
+    def expected(self, sites: Iterable[SiteSummary], device: str) -> tuple[float, float] | None:
+        """(observed, expected) attention seconds over the sites this baseline knows, or None."""
+        observed = expected = 0.0
+        matched = False
+        for s in sites:
+            e = self.entries.get(site_key(s, device))
+            if e is None:
+                continue
+            matched = True
+            observed += s.forward_seconds + s.backward_seconds
+            expected += e["forward_seconds"] + e["backward_seconds"]
+        return (observed, expected) if matched and expected > 0 else None
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"version": FORMAT_VERSION, "device": self.device, "steps": self.steps,
+                "entries": self.entries}
+
+
+def build(reports: Iterable[StepReport], device: str, skip: int = 10) -> Baseline:
+    """Median per-site times over `reports`, skipping the first `skip` (warm-up) steps."""
+    fwd: dict[str, list[float]] = defaultdict(list)
+    bwd: dict[str, list[float]] = defaultdict(list)
+    n = 0
+    for i, r in enumerate(reports):
+        if i < skip:
+            continue
+        n += 1
+        for s in r.sites():
+            k = site_key(s, device)
+            fwd[k].append(s.forward_seconds)
+            bwd[k].append(s.backward_seconds)
+    if n == 0:
+        raise BaselineError(f"no steps left after skipping the first {skip}; run longer or lower --skip")
+    entries = {k: {"forward_seconds": statistics.median(fwd[k]),
+                   "backward_seconds": statistics.median(bwd[k])} for k in fwd}
+    return Baseline(device=device, entries=entries, steps=n)
+
+
+def save(baseline: Baseline, path: str | os.PathLike[str]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(baseline.to_dict(), f, indent=1, sort_keys=True)
+
+
+def load(path: str | os.PathLike[str]) -> Baseline:
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except OSError as e:
+        raise BaselineError(f"cannot read baseline file {path}: {e.strerror}") from e
+    except ValueError as e:
+        raise BaselineError(f"baseline file {path} is not JSON: {e}") from e
+    if not isinstance(data, dict) or data.get("version") != FORMAT_VERSION:
+        raise BaselineError(f"baseline file {path}: expected an object with version {FORMAT_VERSION}")
+    entries = data.get("entries")
+    if not isinstance(entries, dict) or not all(
+        isinstance(v, dict) and {"forward_seconds", "backward_seconds"} <= v.keys()
+        for v in entries.values()
+    ):
+        raise BaselineError(f"baseline file {path}: entries must map keys to forward/backward seconds")
+    return Baseline(device=str(data.get("device", "")), entries=entries, steps=int(data.get("steps", 0)))

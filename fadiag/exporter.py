@@ -1,0 +1,273 @@
+"""The Prometheus side: a custom collector over fadiag's own counters, served per rank.
+
+The collector builds metric families from a snapshot on each scrape; the registry is injected,
+never the global one. Served by prometheus_client's own HTTP server (TLS where configured).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+import threading
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    Metric,
+)
+
+from .errors import FadiagError
+from .records import Flag, StepReport
+from .sinks import Sink
+
+log = logging.getLogger("fadiag")
+
+BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1,
+           0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+"""10 µs to 10 s: a fused kernel at short S up to a whole step of math-path attention."""
+
+RULES = ("backward_forward_ratio", "memory_savings", "regression", "hang")
+OTHER_SITE = "other"
+
+
+class _Histogram:
+    __slots__ = ("counts", "sum")
+
+    def __init__(self) -> None:
+        self.counts = [0] * (len(BUCKETS) + 1)
+        self.sum = 0.0
+
+    def observe(self, v: float) -> None:
+        self.counts[bisect.bisect_left(BUCKETS, v)] += 1
+        self.sum += v
+
+    def buckets(self) -> list[tuple[str, float]]:
+        out, acc = [], 0
+        for bound, n in zip(BUCKETS, self.counts):
+            acc += n
+            out.append((repr(bound), float(acc)))
+        out.append(("+Inf", float(acc + self.counts[-1])))
+        return out
+
+
+class Metrics(Sink):
+    """fadiag's metrics for one rank: a sink that records, and a collector that reports.
+
+    Example::
+
+        registry = CollectorRegistry()
+        metrics = Metrics(rank=0, registry=registry)
+        metrics.emit(report)
+        registry.get_sample_value("fadiag_steps_total", {"rank": "0"})
+    """
+
+    def __init__(self, *, rank: int = 0, registry: CollectorRegistry | None = None,
+                 per_site: bool = False, max_sites: int = 128,
+                 build_info: dict[str, str] | None = None, run_info: dict[str, str] | None = None):
+        self.rank = str(rank)
+        self.per_site = per_site
+        self.max_sites = max_sites
+        self.build_info = build_info or {}
+        self.run_info = run_info or {}
+        self._lock = threading.Lock()
+        self._fwd: dict[tuple[str, ...], _Histogram] = {}
+        self._bwd: dict[tuple[str, ...], _Histogram] = {}
+        self._step = _Histogram()
+        self._sites: set[str] = set()
+        self._calls: dict[str, int] = {}
+        self._flags = dict.fromkeys(RULES, 0)
+        self._flag_active: dict[str, set[str]] = {r: set() for r in RULES}
+        self._uninstrumented: dict[str, int] = {}
+        self._last: StepReport | None = None
+        self._steps = 0
+        self.baseline_seconds: float | None = None
+        self.oldest_inflight_seconds = 0.0
+        self.errors = 0
+        if registry is not None:
+            registry.register(self)
+
+    # ---- sink side (resolver thread) ------------------------------------------------------
+
+    def emit(self, report: StepReport) -> None:
+        with self._lock:
+            for c in report.calls:
+                labels: tuple[str, ...] = (c.impl,)
+                if self.per_site:
+                    labels += (self._site_label(c.site),)
+                if not c.recompute:
+                    self._fwd.setdefault(labels, _Histogram()).observe(c.forward_seconds)
+                    self._calls[c.impl] = self._calls.get(c.impl, 0) + 1
+                if c.backward_seconds > 0.0:
+                    self._bwd.setdefault(labels, _Histogram()).observe(c.backward_seconds)
+            self._step.observe(report.attention_seconds)
+            self._steps += 1
+            self._last = report
+
+    def flag(self, flag: Flag) -> None:
+        with self._lock:
+            if flag.rule not in self._flags:
+                return
+            if flag.cleared:
+                self._flag_active[flag.rule].discard(flag.site)
+            else:
+                self._flags[flag.rule] += 1
+                self._flag_active[flag.rule].add(flag.site)
+
+    def set_uninstrumented(self, reason: str, total: int) -> None:
+        with self._lock:
+            self._uninstrumented[reason] = total
+
+    def _site_label(self, site: str) -> str:
+        if site in self._sites:
+            return site
+        if len(self._sites) >= self.max_sites:
+            return OTHER_SITE
+        self._sites.add(site)
+        return site
+
+    # ---- collector side (scrape thread) ----------------------------------------------------
+
+    def describe(self) -> Iterable[Metric]:
+        return []
+
+    def collect(self) -> Iterator[Metric]:
+        with self._lock:
+            fwd = {k: (h.buckets(), h.sum) for k, h in self._fwd.items()}
+            bwd = {k: (h.buckets(), h.sum) for k, h in self._bwd.items()}
+            step = (self._step.buckets(), self._step.sum)
+            calls = dict(self._calls)
+            flags = dict(self._flags)
+            active = {r: bool(s) for r, s in self._flag_active.items()}
+            unins = dict(self._uninstrumented)
+            last = self._last
+            steps = self._steps
+        r = self.rank
+        hist_labels = ["rank", "impl"] + (["site"] if self.per_site else [])
+        for name, data, what in (("fadiag_attention_forward_seconds", fwd, "forward"),
+                                 ("fadiag_attention_backward_seconds", bwd, "backward")):
+            h = HistogramMetricFamily(name, f"Device time of one attention call's {what}.",
+                                      labels=hist_labels)
+            for labels, (buckets, total) in sorted(data.items()):
+                h.add_metric([r, *labels], buckets, total)
+            yield h
+        h = HistogramMetricFamily("fadiag_step_attention_seconds",
+                                  "Attention forward + backward device time per step.", labels=["rank"])
+        h.add_metric([r], step[0], step[1])
+        yield h
+        c = CounterMetricFamily("fadiag_steps", "Resolved training steps.", labels=["rank"])
+        c.add_metric([r], steps)
+        yield c
+        c = CounterMetricFamily("fadiag_attention_calls", "Measured attention calls by backend.",
+                                labels=["rank", "impl"])
+        for impl, n in sorted(calls.items()):
+            c.add_metric([r, impl], n)
+        yield c
+        c = CounterMetricFamily("fadiag_attention_uninstrumented_calls",
+                                "Attention calls that ran without measurement, by reason.",
+                                labels=["rank", "reason"])
+        for reason, n in sorted(unins.items()):
+            c.add_metric([r, reason], n)
+        yield c
+        c = CounterMetricFamily("fadiag_flags", "Flags raised (one per episode), by rule.",
+                                labels=["rank", "rule"])
+        g = GaugeMetricFamily("fadiag_flag_active", "1 while a flag episode of the rule is open.",
+                              labels=["rank", "rule"])
+        for rule in RULES:
+            c.add_metric([r, rule], flags[rule])
+            g.add_metric([r, rule], 1.0 if active[rule] else 0.0)
+        yield c
+        yield g
+        c = CounterMetricFamily("fadiag_internal_errors", "Errors inside fadiag (training unaffected).",
+                                labels=["rank"])
+        c.add_metric([r], self.errors)
+        yield c
+        yield _gauge("fadiag_attention_oldest_inflight_seconds",
+                     "Age of the oldest attention call the device has not finished.", r,
+                     self.oldest_inflight_seconds)
+        if last is not None:
+            yield _gauge("fadiag_step_attention_forward_seconds",
+                         "Attention forward seconds of the last resolved step.", r, last.forward_seconds)
+            yield _gauge("fadiag_step_attention_backward_seconds",
+                         "Attention backward seconds of the last resolved step.", r,
+                         last.backward_seconds)
+            if last.ratio is not None:
+                yield _gauge("fadiag_attention_backward_forward_ratio",
+                             "Backward / forward attention seconds, last resolved step.", r, last.ratio)
+            if last.memory_savings is not None:
+                yield _gauge("fadiag_attention_memory_savings_ratio",
+                             "1 - kept / standard bytes, last resolved step.", r, last.memory_savings)
+            if last.kept_bytes is not None:
+                yield _gauge("fadiag_attention_kept_bytes",
+                             "Bytes attention keeps for backward (beyond q, k, v), last step.", r,
+                             last.kept_bytes)
+            yield _gauge("fadiag_attention_standard_bytes",
+                         "Bytes standard attention would keep for the same calls, last step.", r,
+                         last.standard_bytes)
+            if last.peak_bytes is not None:
+                yield _gauge("fadiag_attention_peak_bytes",
+                             "Largest allocator peak above start of one attention call.", r,
+                             last.peak_bytes)
+            if last.step_peak_bytes is not None:
+                yield _gauge("fadiag_step_peak_memory_bytes",
+                             "Device allocator peak in the last step (process RSS on CPU).", r,
+                             last.step_peak_bytes)
+            yield _gauge("fadiag_last_step_timestamp_seconds",
+                         "Unix time the last resolved step ended.", r, last.wall_time)
+        if self.baseline_seconds is not None:
+            yield _gauge("fadiag_attention_baseline_seconds",
+                         "Regression baseline of attention seconds per step.", r, self.baseline_seconds)
+        g = GaugeMetricFamily("fadiag_build_info", "fadiag build.", labels=list(self.build_info))
+        g.add_metric(list(self.build_info.values()), 1.0)
+        yield g
+        g = GaugeMetricFamily("fadiag_run_info", "This training process.", labels=list(self.run_info))
+        g.add_metric(list(self.run_info.values()), 1.0)
+        yield g
+
+
+def _gauge(name: str, doc: str, rank: str, value: float) -> GaugeMetricFamily:
+    g = GaugeMetricFamily(name, doc, labels=["rank"])
+    g.add_metric([rank], float(value))
+    return g
+
+
+class Server:
+    """prometheus_client's HTTP server for one registry, with a port policy."""
+
+    def __init__(self, registry: CollectorRegistry, addr: str, port: int, policy: str,
+                 certfile: str | None = None, keyfile: str | None = None, tries: int = 16):
+        self.port: int | None = None
+        self._server: Any = None
+        self._thread: threading.Thread | None = None
+        kwargs: dict[str, Any] = {}
+        if certfile:
+            kwargs.update(certfile=certfile, keyfile=keyfile)
+        candidates = [port] if port == 0 or policy != "next" else list(range(port, port + tries))
+        last_error: OSError | None = None
+        for p in candidates:
+            try:
+                self._server, self._thread = start_http_server(p, addr=addr, registry=registry,
+                                                               **kwargs)
+            except OSError as e:
+                last_error = e
+                continue
+            self.port = int(self._server.server_port)
+            if p != port and port != 0:
+                log.warning("fadiag: port %d was taken; serving metrics on %s:%d", port, addr,
+                            self.port)
+            return
+        msg = f"fadiag: cannot serve metrics on {addr}:{port} ({last_error})"
+        if policy == "fail":
+            raise FadiagError(msg + "; set exporter.port or exporter.on_port_in_use")
+        log.warning("%s; continuing without the exporter (exporter.on_port_in_use=%s)", msg, policy)
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            if self._thread is not None:
+                self._thread.join(timeout=5)
+            self._server = None

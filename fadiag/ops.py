@@ -1,0 +1,262 @@
+"""The table of attention implementations fadiag intercepts.
+
+Each `AttentionOp` says where the function lives, how to read (B, H, Sq, Sk, D), causal and
+dropout from its arguments, and which tensor of its result starts the backward. Supporting a new
+implementation is adding one entry to `OPS` (or calling `fadiag.instrument`).
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+class CallInfo:
+    """What one call's arguments say: its q, k, v, other tensor inputs and shape."""
+
+    __slots__ = ("q", "k", "v", "others", "shape", "head_dim_v", "kv_heads", "causal", "dropout",
+                 "layout", "mask")
+
+    def __init__(self, q: Any, k: Any, v: Any, shape: tuple[int, int, int, int, int],
+                 head_dim_v: int, kv_heads: int, causal: bool, dropout: float, layout: str,
+                 mask: Any = None, others: Sequence[Any] = ()):
+        self.q, self.k, self.v = q, k, v
+        self.shape = shape
+        self.head_dim_v = head_dim_v
+        self.kv_heads = kv_heads
+        self.causal = causal
+        self.dropout = dropout
+        self.layout = layout
+        self.mask = mask
+        self.others = others
+
+
+Reader = Callable[[tuple[Any, ...], dict[str, Any]], CallInfo]
+
+
+@dataclass(frozen=True)
+class AttentionOp:
+    """One attention implementation: where it lives and how to read its calls.
+
+    `targets` are ``"module:attr"`` strings; `config_key` names the `interceptors.*` switch.
+    `output` picks the attention output tensor from the function's result.
+    """
+
+    name: str
+    config_key: str
+    targets: tuple[str, ...]
+    read: Reader
+    impl: str | None = None
+    """Fixed impl name; None: ask torch which SDPA backend ran (fadiag.backends)."""
+    output: Callable[[Any], Any] = field(default=lambda out: out)
+    sdpa_like: bool = False
+
+
+def _opt(kwargs: dict[str, Any], args: tuple[Any, ...], i: int, name: str, default: Any) -> Any:
+    if name in kwargs:
+        return kwargs[name]
+    return args[i] if len(args) > i else default
+
+
+def _bhsd(q: Any, k: Any, v: Any) -> tuple[tuple[int, int, int, int, int], int, int]:
+    """(…, H, S, D) tensors, as SDPA takes them; 3-D is (B, S, D) with one head."""
+    if q.is_nested:
+        b = q.size(0)
+        h = q.size(1) if q.dim() == 4 else 1
+        return (b, h, 0, 0, q.size(-1)), v.size(-1), h
+    qs, ks = q.shape, k.shape
+    if q.dim() == 3:
+        return (qs[0], 1, qs[1], ks[1], qs[2]), v.shape[-1], 1
+    b = 1
+    for d in qs[:-3]:
+        b *= d
+    return (b, qs[-3], qs[-2], ks[-2], qs[-1]), v.shape[-1], ks[-3]
+
+
+def read_sdpa(args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallInfo:
+    q = _opt(kwargs, args, 0, "query", None)
+    k = _opt(kwargs, args, 1, "key", None)
+    v = _opt(kwargs, args, 2, "value", None)
+    mask = _opt(kwargs, args, 3, "attn_mask", None)
+    dropout = float(_opt(kwargs, args, 4, "dropout_p", 0.0))
+    causal = bool(_opt(kwargs, args, 5, "is_causal", False))
+    shape, dv, kvh = _bhsd(q, k, v)
+    return CallInfo(q, k, v, shape, dv, kvh, causal, dropout, "BHSD", mask,
+                    (mask,) if isinstance(mask, torch.Tensor) else ())
+
+
+def read_bshd(q: Any, k: Any, v: Any, causal: bool, dropout: float) -> CallInfo:
+    """(B, S, H, D) tensors, as flash_attn takes them."""
+    b, sq, h, d = q.shape
+    return CallInfo(q, k, v, (b, h, sq, k.shape[1], d), v.shape[-1], k.shape[2], causal, dropout,
+                    "BSHD")
+
+
+def read_flash_attn(args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallInfo:
+    q, k, v = args[0], args[1], args[2]
+    dropout = float(_opt(kwargs, args, 3, "dropout_p", 0.0))
+    causal = bool(_opt(kwargs, args, 5, "causal", False))
+    return read_bshd(q, k, v, causal, dropout)
+
+
+def read_flash_attn_varlen(args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallInfo:
+    """(T, H, D) packed sequences; Sq/Sk are the max lengths, so standard bytes are an upper bound."""
+    q, k, v = args[0], args[1], args[2]
+    cu_q = _opt(kwargs, args, 3, "cu_seqlens_q", None)
+    max_q = int(_opt(kwargs, args, 5, "max_seqlen_q", q.shape[0]))
+    max_k = int(_opt(kwargs, args, 6, "max_seqlen_k", k.shape[0]))
+    dropout = float(_opt(kwargs, args, 7, "dropout_p", 0.0))
+    causal = bool(_opt(kwargs, args, 9, "causal", False))
+    batch = (cu_q.shape[0] - 1) if cu_q is not None else 1
+    return CallInfo(q, k, v, (batch, q.shape[1], max_q, max_k, q.shape[2]), v.shape[-1],
+                    k.shape[1], causal, dropout, "TND")
+
+
+def read_npu_fusion(args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallInfo:
+    """torch_npu.npu_fusion_attention(query, key, value, head_num, input_layout, …)."""
+    q = _opt(kwargs, args, 0, "query", None)
+    k = _opt(kwargs, args, 1, "key", None)
+    v = _opt(kwargs, args, 2, "value", None)
+    heads = int(_opt(kwargs, args, 3, "head_num", 1))
+    layout = str(_opt(kwargs, args, 4, "input_layout", "BSND"))
+    keep_prob = float(kwargs.get("keep_prob", 1.0))
+    sparse_mode = int(kwargs.get("sparse_mode", 0))
+    next_tockens = int(kwargs.get("next_tockens", 2147483647))
+    mask = kwargs.get("atten_mask")
+    causal = sparse_mode in (2, 3) or (mask is not None and next_tockens == 0)
+    if layout == "BNSD":
+        b, h, sq, d = q.shape
+        sk, kvh, dv = k.shape[2], k.shape[1], v.shape[3]
+    elif layout == "BSND":
+        b, sq, h, d = q.shape
+        sk, kvh, dv = k.shape[1], k.shape[2], v.shape[3]
+    elif layout in ("BSH", "SBH"):
+        if layout == "BSH":
+            b, sq, hd = q.shape
+            sk = k.shape[1]
+        else:
+            sq, b, hd = q.shape
+            sk = k.shape[0]
+        h, d = heads, hd // heads
+        kvh = k.shape[-1] // d
+        dv = v.shape[-1] // kvh
+    elif layout == "TND":
+        lens_q = list(kwargs.get("actual_seq_qlen") or [q.shape[0]])
+        lens_k = list(kwargs.get("actual_seq_kvlen") or [k.shape[0]])
+        b, h, d = len(lens_q), q.shape[1], q.shape[2]
+        sq = max(e - s for s, e in zip([0] + lens_q[:-1], lens_q))
+        sk = max(e - s for s, e in zip([0] + lens_k[:-1], lens_k))
+        kvh, dv = k.shape[1], v.shape[2]
+    else:
+        raise ValueError(f"unknown input_layout {layout!r}")
+    return CallInfo(q, k, v, (b, h, sq, sk, d), dv, kvh, causal, 1.0 - keep_prob, layout, mask,
+                    (mask,) if isinstance(mask, torch.Tensor) else ())
+
+
+def read_hf(args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallInfo:
+    """HF attention interface: fn(module, query, key, value, attention_mask, dropout=…, …)."""
+    q = _opt(kwargs, args, 1, "query", None)
+    k = _opt(kwargs, args, 2, "key", None)
+    v = _opt(kwargs, args, 3, "value", None)
+    mask = _opt(kwargs, args, 4, "attention_mask", None)
+    dropout = float(kwargs.get("dropout", 0.0) or 0.0)
+    module = args[0] if args else None
+    causal = kwargs.get("is_causal")
+    if causal is None:
+        causal = getattr(module, "is_causal", False)
+    shape, dv, kvh = _bhsd(q, k, v)
+    return CallInfo(q, k, v, shape, dv, kvh, bool(causal), dropout, "BHSD", mask,
+                    (mask,) if isinstance(mask, torch.Tensor) else ())
+
+
+LAYOUTS = ("BHSD", "BSHD", "BSH", "SBH", "BNSD", "BSND", "TND")
+
+
+def reader_for_layout(layout: str, heads: int | None = None) -> Reader:
+    """A reader for a user op whose first three tensor arguments are q, k, v in `layout`."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
+    if layout in ("BSH", "SBH") and not heads:
+        raise ValueError(f"layout {layout} needs heads= (the number of query heads)")
+
+    def read(args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallInfo:
+        tensors = [a for a in args if isinstance(a, torch.Tensor)][:3]
+        tensors += [kwargs[n] for n in ("q", "k", "v", "query", "key", "value")
+                    if isinstance(kwargs.get(n), torch.Tensor)]
+        q, k, v = tensors[:3]
+        causal = bool(kwargs.get("is_causal", kwargs.get("causal", False)))
+        dropout = float(kwargs.get("dropout_p", kwargs.get("dropout", 0.0)) or 0.0)
+        if layout == "BHSD":
+            shape, dv, kvh = _bhsd(q, k, v)
+            return CallInfo(q, k, v, shape, dv, kvh, causal, dropout, layout)
+        if layout in ("BSHD", "BSND"):
+            info = read_bshd(q, k, v, causal, dropout)
+            info.layout = layout
+            return info
+        npu_kwargs = {"input_layout": layout, "keep_prob": 1.0 - dropout}
+        info = read_npu_fusion((q, k, v, heads or 1), npu_kwargs)
+        info.causal = causal
+        return info
+
+    return read
+
+
+def first_tensor(out: Any) -> Any:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+OPS: tuple[AttentionOp, ...] = (
+    AttentionOp(
+        name="sdpa",
+        config_key="sdpa",
+        targets=("torch.nn.functional:scaled_dot_product_attention",),
+        read=read_sdpa,
+        sdpa_like=True,
+    ),
+    AttentionOp(
+        name="flash_attn_func",
+        config_key="flash_attn",
+        targets=("flash_attn:flash_attn_func", "flash_attn.flash_attn_interface:flash_attn_func"),
+        read=read_flash_attn,
+        impl="flash_attn",
+        output=first_tensor,
+    ),
+    AttentionOp(
+        name="flash_attn_varlen_func",
+        config_key="flash_attn",
+        targets=("flash_attn:flash_attn_varlen_func",
+                 "flash_attn.flash_attn_interface:flash_attn_varlen_func"),
+        read=read_flash_attn_varlen,
+        impl="flash_attn",
+        output=first_tensor,
+    ),
+) + tuple(
+    AttentionOp(
+        name=f"npu_fusion_attention{suffix}",
+        config_key="npu",
+        targets=(f"torch_npu:npu_fusion_attention{suffix}",),
+        read=read_npu_fusion,
+        impl="npu_fusion",
+        output=first_tensor,
+    )
+    for suffix in ("", "_v2", "_v3")
+)
+
+
+def resolve_target(target: str, import_missing: bool) -> tuple[Any, str] | None:
+    """(owner object, attribute) for ``"module:attr"``, or None when it is not there."""
+    module_name, attr = target.split(":")
+    module = sys.modules.get(module_name)
+    if module is None and import_missing:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception:
+            return None
+    if module is None or not hasattr(module, attr):
+        return None
+    return module, attr

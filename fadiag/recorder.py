@@ -1,0 +1,481 @@
+"""The training-thread side: measures each intercepted attention call and cuts steps.
+
+Per call it takes two device marks around the op and hooks the op's backward nodes for two more;
+what only needs learning once per call signature (impl, kept bytes, peak) is learned on the first
+call and cached. Closed steps go to the resolver thread; nothing here waits for the device.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from . import backends
+from .device import Devices, window_peak
+from .memory import standard_bytes
+from .ops import AttentionOp, CallInfo
+
+_INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
+_graph_task_id = torch._C._current_graph_task_id
+_grad_enabled = torch.is_grad_enabled
+_get_edge = torch.autograd.graph.get_gradient_edge
+_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
+_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+
+
+def _is_compiling() -> bool:
+    return False
+
+
+if hasattr(torch, "compiler") and hasattr(torch.compiler, "is_compiling"):
+    _is_compiling = torch.compiler.is_compiling  # noqa: F811
+
+
+class Signature:
+    """What is the same for every call with the same arguments' shapes, dtypes and backend flags."""
+
+    __slots__ = ("op", "impl", "shape", "dtype", "causal", "dropout", "kv_heads", "layout",
+                 "device", "standard_bytes", "kept_bytes", "peak_bytes", "fused_path",
+                 "fallback_reason", "interceptor")
+
+    def __init__(self, op: AttentionOp, info: CallInfo, impl: str, device: str):
+        q = info.q
+        self.op = op
+        self.impl = impl
+        self.shape = tuple(int(x) for x in info.shape)
+        self.dtype = str(q.dtype).replace("torch.", "")
+        self.causal = info.causal
+        self.dropout = info.dropout
+        self.kv_heads = int(info.kv_heads)
+        self.layout = info.layout
+        self.device = device
+        b, h, sq, sk, d = self.shape
+        self.standard_bytes = standard_bytes(b, h, sq, sk, d, q.element_size(), info.dropout,
+                                             int(info.head_dim_v))
+        self.kept_bytes: int | None = None
+        self.peak_bytes: int | None = None
+        self.fused_path: tuple[int, ...] | None = None
+        self.fallback_reason: str | None = None
+        self.interceptor = op.name
+
+
+class Call:
+    """One measured call; its marks are filled in by the training and autograd threads."""
+
+    __slots__ = ("sig", "site", "timer", "fwd0", "fwd1", "bwd0", "bwd1", "remaining", "host_ns",
+                 "recompute", "aborted", "mem0", "probe", "key", "info", "step")
+
+    def __init__(self, site: str, timer: Any, recompute: bool, key: Any, info: CallInfo):
+        self.sig: Signature | None = None
+        self.site = site
+        self.timer = timer
+        self.fwd0: Any = None
+        self.fwd1: Any = None
+        self.bwd0: Any = None
+        self.bwd1: Any = None
+        self.remaining = 0
+        self.host_ns = time.monotonic_ns()
+        self.recompute = recompute
+        self.aborted = False
+        self.mem0: dict[str, int] | None = None
+        self.probe = False
+        self.key = key
+        self.info: CallInfo | None = info
+
+
+class ClosedStep:
+    """A step's calls, handed to the resolver."""
+
+    __slots__ = ("index", "calls", "wall_time", "closed", "unmeasured")
+
+    def __init__(self, index: int, calls: list[Call], unmeasured: int):
+        self.index = index
+        self.calls = calls
+        self.wall_time = time.time()
+        self.closed = time.monotonic()
+        self.unmeasured = unmeasured
+
+
+class SavedBytes:
+    """Saved-tensor hooks that add up what an op keeps for backward, chained to any outer hooks.
+
+    Chaining matters: only the innermost pair of hooks applies, so replacing checkpointing's or
+    offloading's hooks would keep alive the very tensors they exist to free.
+    """
+
+    def __init__(self, inputs: tuple[Any, ...]):
+        self.exclude = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)
+                        and not t.is_nested and t.layout == torch.strided}
+        self.seen: dict[int, int] = {}
+        outer = _top_hooks(False)
+        self._outer_pack, self._outer_unpack = outer if outer is not None else (None, None)
+
+    def pack(self, t: torch.Tensor) -> Any:
+        try:
+            storage = t.untyped_storage()
+            ptr = storage.data_ptr()
+            if ptr and ptr not in self.exclude:
+                self.seen[ptr] = storage.nbytes()
+        except Exception:  # nested / sparse tensors have no plain storage
+            pass
+        return self._outer_pack(t) if self._outer_pack is not None else t
+
+    def unpack(self, packed: Any) -> Any:
+        return self._outer_unpack(packed) if self._outer_unpack is not None else packed
+
+    def total(self) -> int:
+        return sum(self.seen.values())
+
+
+class Recorder:
+    """Decides per call whether to measure, measures, and cuts steps."""
+
+    def __init__(self, devices: Devices, *, every_n_steps: int = 1, record_no_grad: bool = False,
+                 max_calls_per_step: int = 4096, fallback_after: int = 32,
+                 on_error: Callable[[str, BaseException], None],
+                 on_step: Callable[[ClosedStep], None]):
+        self.devices = devices
+        self.every_n_steps = every_n_steps
+        self.record_no_grad = record_no_grad
+        self.max_calls = max_calls_per_step
+        self.fallback_after = fallback_after
+        self._on_error = on_error
+        self._on_step = on_step
+        self.enabled = False
+        self.measuring = False
+        self.depth = 0
+        self.step_index = 1
+        self.calls: list[Call] = []
+        self.calls_since_boundary = 0
+        self.unmeasured = 0
+        self.compiled_calls = 0
+        self.signatures: dict[Any, Signature] = {}
+        self.backward_seen = False
+        self.optimizer_seen = False
+        self.fallback_mode = False
+        self._phases: list[list[Call]] = []
+        self._site_counts: dict[str, int] = {}
+        self._recompute_counts: dict[str, int] = {}
+        self._prev_counts: dict[str, int] = {}
+        self._internal: dict[Any, bool] = {}
+        self._locations: dict[tuple[Any, int], str] = {}
+        self._lock = threading.Lock()
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.enabled = True
+        self.measuring = self._sampled(self.step_index)
+
+    def stop(self) -> None:
+        self.enabled = False
+        self.measuring = False
+
+    def _sampled(self, index: int) -> bool:
+        return self.every_n_steps <= 1 or index % self.every_n_steps == 0
+
+    # ---- the wrapper -----------------------------------------------------------------------
+
+    def wrap(self, original: Callable[..., Any], op: AttentionOp) -> Callable[..., Any]:
+        """The function that replaces `original`; it never changes what `original` returns."""
+        rec = self
+
+        @functools.wraps(original)
+        def fadiag_attention(*args: Any, **kwargs: Any) -> Any:
+            if rec.depth or not rec.enabled:
+                return original(*args, **kwargs)
+            rec.calls_since_boundary += 1
+            if not rec.measuring:
+                rec.unmeasured += 1
+                return original(*args, **kwargs)
+            if _is_compiling():
+                rec.compiled_calls += 1
+                return original(*args, **kwargs)
+            call = rec.begin(op, args, kwargs)
+            if call is None:
+                return original(*args, **kwargs)
+            rec.depth += 1
+            try:
+                if call.probe:
+                    out = rec.probe_forward(call, original, args, kwargs)
+                else:
+                    out = original(*args, **kwargs)
+            except BaseException:
+                call.aborted = True
+                call.info = None
+                raise
+            finally:
+                rec.depth -= 1
+            rec.end(call, op, out)
+            return out
+
+        fadiag_attention.__wrapped_by_fadiag__ = True  # type: ignore[attr-defined]
+        return fadiag_attention
+
+    # ---- per call --------------------------------------------------------------------------
+
+    def begin(self, op: AttentionOp, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call | None:
+        try:
+            grad = _grad_enabled()
+            if not grad and not self.record_no_grad and not _in_reentrant_checkpoint():
+                return None
+            if len(self.calls) >= self.max_calls:
+                self.unmeasured += 1
+                return None
+            recompute = grad and _graph_task_id() != -1
+            if not recompute and self.backward_seen:
+                self._new_phase()
+            info = op.read(args, kwargs)
+            q = info.q
+            key = (op.name, q.shape, info.k.shape, info.v.shape, q.dtype, q.device, info.causal,
+                   info.dropout > 0.0, _mask_key(info.mask), grad, q.requires_grad,
+                   info.k.requires_grad, info.v.requires_grad,
+                   backends.backend_flags() if op.sdpa_like else None,
+                   bool(kwargs.get("enable_gqa", False)))
+            call = Call(self._site(recompute), self.devices.timer(q.device.type), recompute, key,
+                        info)
+            call.sig = self.signatures.get(key)
+            call.probe = call.sig is None and grad and not recompute and _hooks_enabled()
+            self.calls.append(call)
+            call.fwd0 = call.timer.mark()
+            return call
+        except Exception as e:
+            self._on_error("recorder.begin", e)
+            return None
+
+    def probe_forward(self, call: Call, original: Callable[..., Any], args: tuple[Any, ...],
+                      kwargs: dict[str, Any]) -> Any:
+        """First call of a signature: also count saved bytes and the allocator window."""
+        info = call.info
+        assert info is not None
+        try:
+            saved = SavedBytes((info.q, info.k, info.v, *info.others))
+            call.mem0 = call.timer.memory_stats()
+        except Exception as e:
+            self._on_error("recorder.probe", e)
+            call.probe = False
+            return original(*args, **kwargs)
+        with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
+            out = original(*args, **kwargs)
+        call.probe = saved  # type: ignore[assignment]
+        return out
+
+    def end(self, call: Call, op: AttentionOp, out: Any) -> None:
+        try:
+            call.fwd1 = call.timer.mark()
+            info = call.info
+            assert info is not None
+            call.info = None
+            t = op.output(out)
+            node = getattr(t, "grad_fn", None)
+            sig = call.sig
+            if sig is None:
+                sig = self._learn(call, op, info, node)
+            call.sig = sig
+            if node is not None:
+                self._hook_backward(call, sig, node, info)
+        except Exception as e:
+            call.aborted = True
+            self._on_error("recorder.end", e)
+
+    def _learn(self, call: Call, op: AttentionOp, info: CallInfo, node: Any) -> Signature:
+        impl = op.impl
+        fused_path = None
+        if impl is None:
+            found = _find_fused(node) if node is not None else None
+            if found is not None:
+                impl, fused_path = found
+            elif node is not None:
+                impl = "math"
+            else:
+                impl = backends.sdpa_choice(info.q, info.k, info.v, info.mask, info.dropout,
+                                            info.causal, info.kv_heads != info.shape[1]) or "unknown"
+        elif node is not None:
+            found = _find_fused(node)
+            fused_path = found[1] if found is not None else None
+        sig = Signature(op, info, impl, call.timer.kind)
+        sig.fused_path = fused_path
+        if op.sdpa_like and impl == "math":
+            sig.fallback_reason = backends.fallback_reason(
+                info.q, info.k, info.v, info.mask, info.dropout, info.causal,
+                info.kv_heads != info.shape[1])
+        saved = call.probe
+        if isinstance(saved, SavedBytes):
+            sig.kept_bytes = saved.total()
+            if call.mem0 is not None:
+                sig.peak_bytes = window_peak(call.mem0, call.timer.memory_stats())
+        # Only a fully measured signature is cached, so an unmeasurable first call is retried.
+        if sig.kept_bytes is not None or not _hooks_enabled():
+            self.signatures[call.key] = sig
+        return sig
+
+    def _hook_backward(self, call: Call, sig: Signature, node: Any, info: CallInfo) -> None:
+        timer = call.timer
+        rec = self
+        probe = isinstance(call.probe, SavedBytes) and call.mem0 is not None
+
+        def on_backward_start(grad_outputs: Any) -> None:
+            if call.bwd0 is None:
+                rec.backward_seen = True
+                if probe:
+                    call.mem0 = timer.memory_stats()
+                call.bwd0 = timer.mark()
+
+        def on_backward_end(*_: Any) -> None:
+            call.remaining -= 1
+            if call.remaining == 0:
+                call.bwd1 = timer.mark()
+                if probe and call.mem0 is not None and sig.peak_bytes is not None:
+                    bwd_peak = window_peak(call.mem0, timer.memory_stats())
+                    sig.peak_bytes = max(sig.peak_bytes, bwd_peak)
+
+        node.register_prehook(on_backward_start)
+        fused = _follow(node, sig.fused_path) if sig.fused_path is not None else None
+        if fused is not None:
+            call.remaining = 1
+            fused.register_hook(on_backward_end)
+            return
+        ends = []
+        for t in (info.q, info.k, info.v):
+            if t.requires_grad:
+                n = _get_edge(t).node
+                if all(n is not e for e in ends):
+                    ends.append(n)
+        if not ends:
+            call.remaining = 1
+            node.register_hook(on_backward_end)
+            return
+        call.remaining = len(ends)
+        for n in ends:
+            n.register_prehook(on_backward_end)
+
+    # ---- sites -----------------------------------------------------------------------------
+
+    def _site(self, recompute: bool) -> str:
+        """``file:line#n``: the first frame outside torch and fadiag, and its n-th call this pass."""
+        frame = sys._getframe(3)
+        internal = self._internal
+        while frame.f_back is not None:
+            code = frame.f_code
+            flag = internal.get(code)
+            if flag is None:
+                flag = internal[code] = code.co_filename.startswith(_INTERNAL_DIRS)
+            if not flag:
+                break
+            frame = frame.f_back
+        lk = (frame.f_code, frame.f_lineno)
+        loc = self._locations.get(lk)
+        if loc is None:
+            parts = frame.f_code.co_filename.replace(os.sep, "/").rsplit("/", 2)
+            loc = self._locations[lk] = f"{'/'.join(parts[-2:])}:{frame.f_lineno}"
+        if recompute:
+            # Recomputation (checkpointing) replays a pass in reverse order of its forward.
+            r = self._recompute_counts.get(loc, 0)
+            self._recompute_counts[loc] = r + 1
+            n = self._prev_counts.get(loc, 0) - 1 - r
+            return f"{loc}#{max(n, 0)}"
+        n = self._site_counts.get(loc, 0)
+        self._site_counts[loc] = n + 1
+        return f"{loc}#{n}"
+
+    def _new_phase(self) -> None:
+        """A forward after a backward: a new micro-batch (or, without optimizer, a new step)."""
+        self.backward_seen = False
+        self._prev_counts = self._site_counts
+        self._site_counts = {}
+        self._recompute_counts = {}
+        if self.optimizer_seen or not self.calls:
+            return
+        if self.fallback_mode:
+            self.boundary("fallback")
+            return
+        self._phases.append(self.calls)
+        self.calls = []
+        if len(self._phases) >= self.fallback_after:
+            # No optimizer step in all this time: every forward-after-backward is a step.
+            self.fallback_mode = True
+            phases, self._phases = self._phases, []
+            for calls in phases:
+                self.calls = calls
+                self.boundary("fallback")
+
+    # ---- steps -----------------------------------------------------------------------------
+
+    def boundary(self, source: str) -> None:
+        """End the current step; ignored when no attention ran since the last boundary."""
+        try:
+            if source in ("optimizer", "manual") and not self.optimizer_seen:
+                self.optimizer_seen = True
+                self.fallback_mode = False
+            if self._phases:
+                merged = [c for phase in self._phases for c in phase]
+                self.calls = merged + self.calls
+                self._phases = []
+            if not self.calls_since_boundary and not self.calls:
+                return
+            closed = ClosedStep(self.step_index, self.calls, self.unmeasured)
+            self.calls = []
+            self.calls_since_boundary = 0
+            self.unmeasured = 0
+            self._site_counts = {}
+            self._recompute_counts = {}
+            self.backward_seen = False
+            self.step_index += 1
+            self.measuring = self.enabled and self._sampled(self.step_index)
+            self._on_step(closed)
+        except Exception as e:
+            self._on_error("recorder.boundary", e)
+
+    def open_calls(self) -> list[Call]:
+        """The current step's calls so far (a copy; for the hang check)."""
+        return list(self.calls) + [c for phase in list(self._phases) for c in phase]
+
+
+def _mask_key(mask: Any) -> Any:
+    if isinstance(mask, torch.Tensor):
+        return (mask.dtype, mask.shape, mask.requires_grad)
+    return mask is not None
+
+
+def _find_fused(node: Any, max_nodes: int = 8) -> tuple[str, tuple[int, ...]] | None:
+    """The fused backward node near `node` and its path of next_functions indices."""
+    frontier: list[tuple[Any, tuple[int, ...]]] = [(node, ())]
+    seen = 0
+    while frontier and seen < max_nodes:
+        n, path = frontier.pop(0)
+        if n is None:
+            continue
+        seen += 1
+        impl = backends.impl_from_graph(n, max_nodes=1)
+        if impl is not None:
+            return impl, path
+        frontier.extend((fn, path + (i,)) for i, (fn, _) in enumerate(n.next_functions))
+    return None
+
+
+def _follow(node: Any, path: tuple[int, ...]) -> Any:
+    for i in path:
+        node = node.next_functions[i][0]
+        if node is None:
+            return None
+    return node
+
+
+def _in_reentrant_checkpoint(limit: int = 64) -> bool:
+    """True inside torch.utils.checkpoint's reentrant forward (which runs under no_grad)."""
+    frame = sys._getframe(2)
+    for _ in range(limit):
+        if frame is None:
+            return False
+        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILE):
+            return True
+        frame = frame.f_back
+    return False

@@ -1,0 +1,202 @@
+"""The resolver thread: waits for the device to pass each closed step's marks, then reports.
+
+It turns marks into seconds without a host sync (`query()` first, `elapsed_time` after), builds
+the StepReport, runs the rules, feeds the sinks, and keeps the hang signal current.
+"""
+
+from __future__ import annotations
+
+import collections
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
+
+import psutil
+
+from .records import CallRecord, StepReport
+from .recorder import Call, ClosedStep
+
+_POLL_S = 0.005
+_IDLE_S = 0.25
+_BACKWARD_GRACE_S = 5.0
+
+
+class Resolver:
+    """Owns the queue of closed steps and the thread that resolves them in order."""
+
+    def __init__(self, *, rank: int, history: int,
+                 open_calls: Callable[[], list[Call]],
+                 on_report: Callable[[StepReport], None],
+                 on_tick: Callable[[float], None],
+                 on_error: Callable[[str, BaseException], None],
+                 timers: Callable[[], list[Any]]):
+        self.rank = rank
+        self.history: collections.deque[StepReport] = collections.deque(maxlen=history)
+        self.oldest_inflight_seconds = 0.0
+        self.step_peak_bytes: int | None = None
+        self._open_calls = open_calls
+        self._on_report = on_report
+        self._on_tick = on_tick
+        self._on_error = on_error
+        self._timers = timers
+        self._queue: queue.SimpleQueue[ClosedStep | None] = queue.SimpleQueue()
+        self._pending: collections.deque[ClosedStep] = collections.deque()
+        self._stop = threading.Event()
+        self._idle = threading.Event()
+        self._idle.set()
+        self._mem_before: dict[str, dict[str, int]] = {}
+        self._process = psutil.Process()
+        self._thread = threading.Thread(target=self._run, name="fadiag-resolver", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, step: ClosedStep) -> None:
+        self._idle.clear()
+        self._queue.put(step)
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Resolve what is pending (up to `timeout`), then end the thread."""
+        self.flush(timeout)
+        self._stop.set()
+        self._queue.put(None)
+        if self._thread.is_alive():
+            self._thread.join(timeout)
+
+    def flush(self, timeout: float = 5.0) -> bool:
+        """Wait until every submitted step is resolved; True if it happened in time."""
+        if not self._thread.is_alive():
+            return self._queue.empty() and not self._pending
+        return self._idle.wait(timeout)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    # ---- the thread ------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                item = self._queue.get(timeout=_POLL_S if self._pending else _IDLE_S)
+                if item is not None:
+                    self._pending.append(item)
+                while True:  # drain without waiting
+                    item = self._queue.get_nowait()
+                    if item is not None:
+                        self._pending.append(item)
+            except queue.Empty:
+                pass
+            try:
+                while self._pending and self._try_resolve(self._pending[0]):
+                    self._pending.popleft()
+                self._tick()
+            except Exception as e:
+                self._on_error("resolver", e)
+                if self._pending:
+                    self._pending.popleft()  # a step that cannot be resolved is dropped, once
+            if not self._pending and self._queue.empty():
+                self._idle.set()
+
+    def _try_resolve(self, step: ClosedStep) -> bool:
+        now = time.monotonic()
+        for c in step.calls:
+            if c.aborted or c.sig is None:
+                continue
+            t = c.timer
+            if not t.done(c.fwd1):
+                return False
+            if c.bwd0 is not None:
+                if c.bwd1 is None:
+                    if now - step.closed < _BACKWARD_GRACE_S:
+                        return False
+                elif not t.done(c.bwd1):
+                    return False
+        self._report(step)
+        return True
+
+    def _report(self, step: ClosedStep) -> None:
+        records: list[CallRecord] = []
+        fwd = bwd = recompute = 0.0
+        kept: int | None = 0
+        standard = 0
+        peak: int | None = None
+        for c in step.calls:
+            sig = c.sig
+            if c.aborted or sig is None:
+                continue
+            t = c.timer
+            f = _seconds(t.elapsed(c.fwd0, c.fwd1))
+            b = 0.0
+            if c.bwd0 is not None and c.bwd1 is not None:
+                b = _seconds(t.elapsed(c.bwd0, c.bwd1))
+            t.release(c.fwd0, c.fwd1, c.bwd0, c.bwd1)
+            c.fwd0 = c.fwd1 = c.bwd0 = c.bwd1 = None
+            records.append(CallRecord(
+                site=c.site, impl=sig.impl, shape=sig.shape, dtype=sig.dtype, causal=sig.causal,
+                dropout=sig.dropout, kv_heads=sig.kv_heads, layout=sig.layout, device=sig.device,
+                forward_seconds=f, backward_seconds=b, kept_bytes=sig.kept_bytes,
+                standard_bytes=sig.standard_bytes, peak_bytes=sig.peak_bytes,
+                recompute=c.recompute, interceptor=sig.interceptor,
+                fallback_reason=sig.fallback_reason))
+            bwd += b
+            if c.recompute:
+                recompute += f
+                continue
+            fwd += f
+            standard += sig.standard_bytes
+            kept = None if kept is None or sig.kept_bytes is None else kept + sig.kept_bytes
+            if sig.peak_bytes is not None:
+                peak = sig.peak_bytes if peak is None else max(peak, sig.peak_bytes)
+        if not records:
+            kept = None
+        report = StepReport(
+            step=step.index, forward_seconds=fwd, backward_seconds=bwd, kept_bytes=kept,
+            standard_bytes=standard, peak_bytes=peak, step_peak_bytes=self._step_peak(step),
+            calls=records, rank=self.rank, wall_time=step.wall_time, recompute_seconds=recompute)
+        self._on_report(report)
+        self.history.append(report)
+
+    def _step_peak(self, step: ClosedStep) -> int | None:
+        """Allocator peak since the previous step (non-destructive), or the process RSS on CPU."""
+        devices = {c.timer.kind: c.timer for c in step.calls if c.sig is not None}
+        for kind, timer in devices.items():
+            if kind == "cpu":
+                continue
+            after = timer.memory_stats()
+            before = self._mem_before.get(kind)
+            self._mem_before[kind] = after
+            if before is None:
+                return int(after["peak"])
+            if after["peak"] > before["peak"]:
+                return int(after["peak"])
+            return int(min(before["peak"], max(before["current"], after["current"])
+                           + (after["allocated"] - before["allocated"])))
+        return int(self._process.memory_info().rss)
+
+    def _tick(self) -> None:
+        now_ns = time.monotonic_ns()
+        oldest = 0
+        calls = self._open_calls()
+        for step in list(self._pending):
+            calls.extend(step.calls)
+        for c in calls:
+            if c.aborted:
+                continue
+            if c.fwd1 is None or (c.bwd0 is not None and c.bwd1 is None):
+                age = now_ns - c.host_ns
+            elif not c.timer.done(c.fwd1) or (c.bwd1 is not None and not c.timer.done(c.bwd1)):
+                age = now_ns - c.host_ns
+            else:
+                continue
+            oldest = max(oldest, age)
+        self.oldest_inflight_seconds = oldest * 1e-9
+        self._on_tick(self.oldest_inflight_seconds)
+
+
+def _seconds(x: float) -> float:
+    """Timings that are not a finite non-negative number are recorded as 0."""
+    if x != x or x < 0.0 or x == float("inf"):
+        return 0.0
+    return x

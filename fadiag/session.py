@@ -1,0 +1,381 @@
+"""The session: attach() wires interceptors, recorder, resolver, rules and sinks; detach() undoes it.
+
+One session per process. `attach()` twice returns the same session; `detach()` restores every
+patched function by identity and leaves no hook, thread or port behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
+
+from . import __version__
+from . import baseline as baseline_mod
+from .config import Config, load_config
+from .device import Devices, default_device_type
+from .errors import FadiagError
+from .exporter import Metrics, Server
+from .jsonl import JsonlSink
+from .ops import OPS, AttentionOp, reader_for_layout, resolve_target
+from .patcher import Patcher
+from .records import Flag, StepReport
+from .recorder import ClosedStep, Recorder
+from .resolver import Resolver
+from .rules import Rules
+from .sinks import CallbackSink, FanOut, Sink
+
+log = logging.getLogger("fadiag")
+
+_lock = threading.RLock()
+_session: Session | None = None
+_instrumented: list[tuple[Any, str | None, str, int | None]] = []
+
+
+class LogSink(Sink):
+    """A warning on the `fadiag` logger per raised flag, at most one per rule and site per interval."""
+
+    def __init__(self, interval: float):
+        self.interval = interval
+        self._last: dict[tuple[str, str], float] = {}
+
+    def flag(self, flag: Flag) -> None:
+        key = (flag.rule, flag.site)
+        now = time.monotonic()
+        if flag.cleared:
+            log.info("fadiag: step %d rank %d: %s", flag.step, flag.rank, flag.message)
+            return
+        if now - self._last.get(key, -1e18) < self.interval:
+            return
+        self._last[key] = now
+        log.warning("fadiag: step %d rank %d: %s: %s", flag.step, flag.rank, flag.rule, flag.message)
+
+
+class Session:
+    """A running fadiag: what attach() returns.
+
+    Example::
+
+        session = fadiag.attach(port=0)
+        train()
+        report = session.last_step()
+        print(session.port, report.ratio, report.memory_savings)
+    """
+
+    def __init__(self, config: Config, on_flag: Callable[[Flag], object] | None = None):
+        self.config = config
+        self.rank = int(os.environ.get("RANK", "0") or 0)
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0") or 0)
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1") or 1)
+        self.run_id = os.environ.get("FADIAG_RUN_ID") or os.environ.get("TORCHELASTIC_RUN_ID") \
+            or uuid.uuid4().hex[:12]
+        self.errors = 0
+        self._logged_errors: set[str] = set()
+        self._patcher = Patcher()
+        self._optimizer_hook: Any = None
+        self._hf_wrapped = False
+        self._server: Server | None = None
+        self.port: int | None = None
+        self.devices = Devices(config.device)
+        device_type = default_device_type() if config.device == "auto" else config.device
+        self.device_name = self.devices.name() if config.device == "auto" else config.device
+        self.device_type = device_type
+
+        self.metrics = Metrics(
+            rank=self.rank, per_site=config.exporter.per_site, max_sites=config.exporter.max_sites,
+            build_info={"version": __version__, "torch": torch.__version__, "device": device_type},
+            run_info={"rank": str(self.rank), "run_id": self.run_id,
+                      "world_size": str(self.world_size), "hostname": socket.gethostname(),
+                      "device_name": self.device_name})
+        sinks: list[Sink] = [self.metrics, LogSink(config.log.flag_interval_seconds)]
+        if config.jsonl.path:
+            sinks.append(JsonlSink(config.jsonl.path, self.rank, self._meta(),
+                                   config.jsonl.max_bytes, config.jsonl.backups))
+        if on_flag is not None:
+            sinks.append(CallbackSink(on_flag))
+        self.sinks = FanOut(sinks, self._error)
+
+        baseline = None
+        if config.rules.regression.baseline_file:
+            baseline = baseline_mod.load(config.rules.regression.baseline_file)
+            if baseline.device and baseline.device != self.device_name:
+                log.warning("fadiag: baseline %s was recorded on %s, this run is on %s; "
+                            "entries for other devices will not match",
+                            config.rules.regression.baseline_file, baseline.device, self.device_name)
+        self.rules = Rules(config.rules, device=self.device_name, baseline=baseline, rank=self.rank)
+        steps = config.steps
+        self.recorder = Recorder(
+            self.devices, every_n_steps=config.sampling.every_n_steps,
+            record_no_grad=steps.record_no_grad, max_calls_per_step=steps.max_calls_per_step,
+            fallback_after=steps.fallback_after, on_error=self._error, on_step=self._on_step)
+        self.resolver = Resolver(
+            rank=self.rank, history=steps.history, open_calls=self.recorder.open_calls,
+            on_report=self._on_report, on_tick=self._on_tick, on_error=self._error,
+            timers=self.devices.timers)
+
+    # ---- lifecycle -------------------------------------------------------------------------
+
+    def _start(self) -> None:
+        cfg = self.config
+        if cfg.exporter.enabled:
+            from prometheus_client import CollectorRegistry
+
+            self.registry = CollectorRegistry(auto_describe=False)
+            self.registry.register(self.metrics)
+            port = cfg.exporter.port + self.local_rank if cfg.exporter.port else 0
+            self._server = Server(self.registry, cfg.exporter.addr, port, cfg.exporter.on_port_in_use,
+                                  cfg.exporter.certfile, cfg.exporter.keyfile)
+            self.port = self._server.port
+            if self.port is not None:
+                log.info("fadiag: rank %d metrics on http://%s:%d/metrics", self.rank,
+                         cfg.exporter.addr, self.port)
+        self.resolver.start()
+        self._install()
+        self.recorder.start()
+
+    def _install(self) -> None:
+        icfg = self.config.interceptors
+        for op in OPS:
+            if getattr(icfg, op.config_key):
+                self._patch_op(op, import_missing=op.config_key != "sdpa")
+        for fn, name, layout, heads in _instrumented:
+            self._instrument(fn, name, layout, heads)
+        self._wrap_transformers()
+        self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
+
+    def _patch_op(self, op: AttentionOp, import_missing: bool) -> None:
+        done: set[int] = set()
+        for target in op.targets:
+            found = resolve_target(target, import_missing)
+            if found is None:
+                continue
+            owner, attr = found
+            original = getattr(owner, attr)
+            if getattr(original, "__wrapped_by_fadiag__", False) or id(original) in done:
+                continue
+            wrapper = self.recorder.wrap(original, op)
+            self._patcher.replace(owner, attr, wrapper)
+            done.add(id(original))
+            if self.config.interceptors.rebind_imported:
+                self._patcher.rebind_everywhere(original, wrapper)
+
+    def _instrument(self, fn: Any, name: str | None, layout: str, heads: int | None) -> Any:
+        impl = name or getattr(fn, "__name__", "custom")
+        op = AttentionOp(name=f"instrument:{impl}", config_key="", targets=(),
+                         read=reader_for_layout(layout, heads), impl=impl,
+                         output=lambda out: out[0] if isinstance(out, (tuple, list)) else out)
+        if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
+            base_apply = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
+            own = fn.__dict__.get("apply")
+            inner = own.__func__ if isinstance(own, classmethod) else base_apply
+
+            def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+                return inner(cls, *args, **kwargs)
+
+            wrapped = self.recorder.wrap(apply, op)
+            self._patcher.replace(fn, "apply", classmethod(wrapped))
+            return fn
+        wrapper = self.recorder.wrap(fn, op)
+        self._patcher.rebind_everywhere(fn, wrapper)
+        return wrapper
+
+    def _wrap_transformers(self) -> None:
+        """Wrap HF's attention registry entries (except "sdpa", which reaches the patched SDPA)."""
+        if self._hf_wrapped or not self.config.interceptors.transformers:
+            return
+        import sys
+
+        mu = sys.modules.get("transformers.modeling_utils")
+        registry = getattr(mu, "ALL_ATTENTION_FUNCTIONS", None)
+        if registry is None:
+            return
+        from .ops import read_hf
+
+        self._hf_wrapped = True
+        store = getattr(registry, "_global_mapping", registry)
+        for key in list(store):
+            fn = store[key]
+            if key == "sdpa" or getattr(fn, "__wrapped_by_fadiag__", False):
+                continue
+            impl = "flash_attn" if "flash" in key else key
+            op = AttentionOp(name=f"transformers:{key}", config_key="transformers", targets=(),
+                             read=read_hf, impl=impl,
+                             output=lambda out: out[0] if isinstance(out, (tuple, list)) else out)
+            self._patcher.replace_item(store, key, self.recorder.wrap(fn, op))
+
+    def close(self) -> None:
+        self.recorder.stop()
+        if self._optimizer_hook is not None:
+            self._optimizer_hook.remove()
+            self._optimizer_hook = None
+        self._patcher.restore()
+        self.recorder.boundary("detach")
+        self.resolver.stop()
+        if self._server is not None:
+            self._server.close()
+            self._server = None
+        self.sinks.close()
+
+    # ---- callbacks -------------------------------------------------------------------------
+
+    def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        self.recorder.boundary("optimizer")
+
+    def _on_step(self, closed: ClosedStep) -> None:
+        self.resolver.submit(closed)
+        if not self._hf_wrapped:
+            try:
+                self._wrap_transformers()
+            except Exception as e:
+                self._error("transformers registry", e)
+
+    def _on_report(self, report: StepReport) -> None:
+        try:
+            flags = self.rules.evaluate(report)
+        except Exception as e:
+            self._error("rules", e)
+            flags = []
+        self.metrics.baseline_seconds = self.rules.baseline_seconds
+        self.sinks.emit(report)
+        for f in flags:
+            self.sinks.flag(f)
+
+    def _on_tick(self, oldest_inflight: float) -> None:
+        self.metrics.oldest_inflight_seconds = oldest_inflight
+        self.metrics.set_uninstrumented("compiled", self.recorder.compiled_calls)
+        for f in self.rules.check_hang(oldest_inflight):
+            self.sinks.flag(f)
+
+    def _error(self, where: str, exc: BaseException) -> None:
+        """Count an internal error; log the first one of each place, with its traceback."""
+        self.errors += 1
+        self.metrics.errors = self.errors
+        if where not in self._logged_errors:
+            self._logged_errors.add(where)
+            log.warning("fadiag: internal error in %s (training continues; counted in "
+                        "fadiag_internal_errors_total): %r", where, exc, exc_info=exc)
+
+    def _meta(self) -> dict[str, Any]:
+        return {"run_id": self.run_id, "rank": self.rank, "world_size": self.world_size,
+                "hostname": socket.gethostname(), "device": self.device_name,
+                "fadiag_version": __version__, "torch_version": torch.__version__,
+                "start_time": time.time()}
+
+    # ---- public ----------------------------------------------------------------------------
+
+    def last_step(self) -> StepReport | None:
+        """The latest fully resolved step, or None before the first."""
+        return self.resolver.history[-1] if self.resolver.history else None
+
+    def history(self) -> list[StepReport]:
+        """The resolved steps still in memory (at most steps.history), oldest first."""
+        return list(self.resolver.history)
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        """Close the current step and wait until every step so far is resolved."""
+        self.recorder.boundary("manual")
+        return self.resolver.flush(timeout)
+
+    def save_baseline(self, path: str | os.PathLike[str], skip: int = 10) -> None:
+        """Write this session's history as a baseline file for the regression rule."""
+        baseline_mod.save(baseline_mod.build(self.history(), self.device_name, skip), path)
+
+    def __repr__(self) -> str:
+        return f"<fadiag.Session rank={self.rank} port={self.port} step={self.recorder.step_index}>"
+
+
+class _DisabledSession(Session):
+    def __init__(self, config: Config):  # noqa: D107 - a session that does nothing
+        self.config = config
+        self.port = None
+        self.errors = 0
+
+    def _start(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def last_step(self) -> StepReport | None:
+        return None
+
+    def history(self) -> list[StepReport]:
+        return []
+
+    def flush(self, timeout: float = 10.0) -> bool:
+        return True
+
+
+def attach(config: str | os.PathLike[str] | dict[str, Any] | Config | None = None, *,
+           on_flag: Callable[[Flag], object] | None = None, **overrides: Any) -> Session:
+    """Start measuring every attention call; returns the session (the same one if already attached).
+
+    `config` is a YAML path, a dict or a Config; `overrides` are dotted keys or short names
+    (``port=0``, ``jsonl="runs/"``, ``"rules.hang.timeout_seconds": 60``). Raises ConfigError
+    (a ValueError) on bad configuration, before anything is patched.
+    """
+    global _session
+    with _lock:
+        if _session is not None:
+            return _session
+        cfg = load_config(config, overrides)
+        session: Session = Session(cfg, on_flag) if cfg.enabled else _DisabledSession(cfg)
+        try:
+            session._start()
+        except FadiagError:
+            session.close()
+            raise
+        except Exception as e:
+            # An internal fault must not stop training: run without fadiag, say so once.
+            log.warning("fadiag: attach failed (%r); training continues without fadiag", e,
+                        exc_info=e)
+            session.close()
+            session = _DisabledSession(cfg)
+        _session = session
+        return session
+
+
+def detach() -> None:
+    """Stop measuring and restore everything attach() changed; safe to call at any time."""
+    global _session
+    with _lock:
+        session, _session = _session, None
+        if session is not None:
+            session.close()
+
+
+def current_session() -> Session | None:
+    """The attached session, or None."""
+    return _session
+
+
+def step() -> None:
+    """Mark a step boundary by hand (for loops without a torch optimizer, or to split steps)."""
+    s = _session
+    if s is not None and not isinstance(s, _DisabledSession):
+        s.recorder.boundary("manual")
+
+
+def instrument(fn: Any, name: str | None = None, *, layout: str = "BHSD",
+               heads: int | None = None) -> Any:
+    """Measure the user's own attention op: an autograd.Function class or a function.
+
+    For a Function class, existing ``Cls.apply(...)`` call sites are measured and the class is
+    returned; for a function, module globals bound to it are rebound and the wrapper is returned.
+    `layout` says how its first three tensor arguments (q, k, v) are laid out.
+    """
+    reader_for_layout(layout, heads)  # validate now, with a clear error
+    with _lock:
+        _instrumented.append((fn, name, layout, heads))
+        s = _session
+        if s is not None and not isinstance(s, _DisabledSession):
+            return s._instrument(fn, name, layout, heads)
+    return fn
