@@ -159,12 +159,12 @@ class Recorder:
         self.compiled_calls = 0
         self.signatures: dict[Any, Signature] = {}
         self.backward_seen = False
+        self.in_backward = 0
         self.optimizer_seen = False
         self.fallback_mode = False
         self._phases: list[list[Call]] = []
         self._site_counts: dict[str, int] = {}
         self._recompute_counts: dict[str, int] = {}
-        self._prev_counts: dict[str, int] = {}
         self._internal: dict[Any, bool] = {}
         self._locations: dict[tuple[Any, int], str] = {}
         self._lock = threading.Lock()
@@ -192,12 +192,12 @@ class Recorder:
         def fadiag_attention(*args: Any, **kwargs: Any) -> Any:
             if rec.depth or not rec.enabled:
                 return original(*args, **kwargs)
+            if _is_compiling():
+                rec.compiled_calls += 1
+                return original(*args, **kwargs)
             rec.calls_since_boundary += 1
             if not rec.measuring:
                 rec.unmeasured += 1
-                return original(*args, **kwargs)
-            if _is_compiling():
-                rec.compiled_calls += 1
                 return original(*args, **kwargs)
             call = rec.begin(op, args, kwargs)
             if call is None:
@@ -231,6 +231,8 @@ class Recorder:
                 self.unmeasured += 1
                 return None
             recompute = grad and _graph_task_id() != -1
+            if recompute and self.in_backward > 0:
+                return None  # inside a measured op's own backward: already timed there
             if not recompute and self.backward_seen:
                 self._new_phase()
             info = op.read(args, kwargs)
@@ -325,6 +327,7 @@ class Recorder:
         def on_backward_start(grad_outputs: Any) -> None:
             if call.bwd0 is None:
                 rec.backward_seen = True
+                rec.in_backward += 1
                 if probe:
                     call.mem0 = timer.memory_stats()
                 call.bwd0 = timer.mark()
@@ -333,6 +336,7 @@ class Recorder:
             call.remaining -= 1
             if call.remaining == 0:
                 call.bwd1 = timer.mark()
+                rec.in_backward = max(0, rec.in_backward - 1)
                 if probe and call.mem0 is not None and sig.peak_bytes is not None:
                     bwd_peak = window_peak(call.mem0, timer.memory_stats())
                     sig.peak_bytes = max(sig.peak_bytes, bwd_peak)
@@ -380,7 +384,7 @@ class Recorder:
             # Recomputation (checkpointing) replays a pass in reverse order of its forward.
             r = self._recompute_counts.get(loc, 0)
             self._recompute_counts[loc] = r + 1
-            n = self._prev_counts.get(loc, 0) - 1 - r
+            n = self._site_counts.get(loc, 0) - 1 - r
             return f"{loc}#{max(n, 0)}"
         n = self._site_counts.get(loc, 0)
         self._site_counts[loc] = n + 1
@@ -389,7 +393,6 @@ class Recorder:
     def _new_phase(self) -> None:
         """A forward after a backward: a new micro-batch (or, without optimizer, a new step)."""
         self.backward_seen = False
-        self._prev_counts = self._site_counts
         self._site_counts = {}
         self._recompute_counts = {}
         if self.optimizer_seen or not self.calls:
@@ -421,16 +424,18 @@ class Recorder:
                 self._phases = []
             if not self.calls_since_boundary and not self.calls:
                 return
-            closed = ClosedStep(self.step_index, self.calls, self.unmeasured)
+            closed = ClosedStep(self.step_index, self.calls, self.unmeasured) if self.calls else None
             self.calls = []
             self.calls_since_boundary = 0
             self.unmeasured = 0
             self._site_counts = {}
             self._recompute_counts = {}
             self.backward_seen = False
+            self.in_backward = 0
             self.step_index += 1
             self.measuring = self.enabled and self._sampled(self.step_index)
-            self._on_step(closed)
+            if closed is not None:  # an unsampled step has nothing to resolve
+                self._on_step(closed)
         except Exception as e:
             self._on_error("recorder.boundary", e)
 

@@ -105,13 +105,14 @@ class Resolver:
             if c.aborted or c.sig is None:
                 continue
             t = c.timer
-            if not t.done(c.fwd1):
+            # Both ends are queried: on NPU, elapsed_time synchronises unless both are done.
+            if not (t.done(c.fwd0) and t.done(c.fwd1)):
                 return False
             if c.bwd0 is not None:
                 if c.bwd1 is None:
                     if now - step.closed < _BACKWARD_GRACE_S:
                         return False
-                elif not t.done(c.bwd1):
+                elif not (t.done(c.bwd0) and t.done(c.bwd1)):
                     return False
         self._report(step)
         return True

@@ -1,0 +1,93 @@
+"""Small models the tests train: a GPT-style causal transformer and a seed-style attention Function."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.ln1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.ln2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def attend(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.heads, c // self.heads).permute(2, 0, 3, 1, 4)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, c))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attend(x)
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int = 2, dim: int = 64, heads: int = 2, vocab: int = 64,
+                 checkpointing: str | None = None):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(Block(dim, heads) for _ in range(layers))
+        self.head = nn.Linear(dim, vocab)
+        self.checkpointing = checkpointing
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for block in self.blocks:
+            if self.checkpointing is None:
+                x = block(x)
+            else:
+                x = checkpoint(block, x, use_reentrant=self.checkpointing == "reentrant")
+        return self.head(x)
+
+
+def train(model: nn.Module, steps: int, seq: int = 64, batch: int = 2, vocab: int = 64,
+          micro_batches: int = 1, seed: int = 0) -> list[float]:
+    """Train with AdamW on random tokens; returns the losses."""
+    gen = torch.Generator().manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    losses = []
+    for _ in range(steps):
+        for _ in range(micro_batches):
+            tokens = torch.randint(0, vocab, (batch, seq), generator=gen)
+            logits = model(tokens)
+            loss = F.cross_entropy(logits.view(-1, vocab), tokens.view(-1))
+            (loss / micro_batches).backward()
+            losses.append(loss.item())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return losses
+
+
+class SeedFlashAttention(torch.autograd.Function):
+    """Shaped like the seed's FlashAttentionFunction: its own forward and backward, saves q, k, v, O.
+
+    `slow_backward` repeats the backward's work to make the backward/forward ratio rule fire.
+    """
+
+    slow_backward = 0
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, is_causal=True):  # type: ignore[no-untyped-def]
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=is_causal, scale=scale)
+        ctx.save_for_backward(q, k, v, out)
+        ctx.scale, ctx.is_causal = scale, is_causal
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[no-untyped-def]
+        q, k, v, _ = ctx.saved_tensors
+        for _ in range(1 + SeedFlashAttention.slow_backward):
+            with torch.enable_grad():
+                qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))
+                o = F.scaled_dot_product_attention(qq, kk, vv, is_causal=ctx.is_causal,
+                                                   scale=ctx.scale)
+                dq, dk, dv = torch.autograd.grad(o, (qq, kk, vv), grad_out)
+        return dq, dk, dv, None, None

@@ -1,0 +1,319 @@
+"""The core: every attention call measured per step, on CPU, without changing training."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+import textwrap
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fadiag
+from tests.models import GPT, SeedFlashAttention, train
+
+
+def attach(**kw):
+    kw.setdefault("exporter.enabled", False)
+    return fadiag.attach(**kw)
+
+
+def resolved(session):
+    assert session.flush(10)
+    report = session.last_step()
+    assert report is not None
+    return report
+
+
+def test_public_api_is_pinned():
+    assert sorted(fadiag.__all__) == [
+        "CallRecord", "Config", "ConfigError", "FadiagError", "Flag", "Session", "StepReport",
+        "__version__", "attach", "current_session", "detach", "instrument", "load_config", "step",
+    ]
+
+
+def test_gpt_training_records_one_call_per_layer_per_step():
+    s = attach()
+    train(GPT(layers=3, dim=64, heads=2), steps=5, seq=64)
+    s.flush(10)
+    history = s.history()
+    assert [r.step for r in history] == [1, 2, 3, 4, 5]
+    for r in history:
+        assert len(r.calls) == 3
+        assert len({c.site for c in r.calls}) == 3
+        for c in r.calls:
+            assert c.forward_seconds > 0 and c.backward_seconds > 0
+            assert c.shape == (2, 2, 64, 64, 32)
+            assert c.causal and c.dtype == "float32" and c.impl == "cpu_flash"
+        assert r.forward_seconds == pytest.approx(sum(c.forward_seconds for c in r.calls))
+    # the same call site keeps its id every step
+    assert [c.site for c in history[0].calls] == [c.site for c in history[-1].calls]
+
+
+def test_cpu_flash_kernel_keeps_output_and_logsumexp_only():
+    s = attach()
+    b, h, n, d = 2, 4, 256, 32
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    fadiag.step()
+    call = resolved(s).calls[0]
+    assert call.impl == "cpu_flash"
+    assert call.kept_bytes == b * h * n * d * 4 + b * h * n * 4  # O + fp32 logsumexp; q, k, v excluded
+    assert call.memory_savings > 0.8
+
+
+def test_math_path_reports_impl_math_and_keeps_a_full_matrix():
+    s = attach()
+    b, h, n, d = 2, 4, 256, 32
+    q, k, v = (torch.randn(b, h, n, d, requires_grad=True) for _ in range(3))
+    with sdpa_kernel(SDPBackend.MATH):
+        F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+    fadiag.step()
+    call = resolved(s).calls[0]
+    assert call.impl == "math"
+    assert call.kept_bytes >= b * h * n * n * 4
+    assert call.memory_savings < 0.8
+    assert "disabled" in call.fallback_reason
+
+
+def test_transformer_encoder_layer_is_measured():
+    s = attach()
+    layer = nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    opt = torch.optim.SGD(layer.parameters(), lr=0.1)
+    for _ in range(2):
+        layer(torch.randn(2, 32, 64)).sum().backward()
+        opt.step()
+    r = resolved(s)
+    assert len(r.calls) == 1
+    assert r.calls[0].shape == (2, 4, 32, 32, 16)
+    assert r.calls[0].backward_seconds > 0
+
+
+def test_multihead_attention_without_weights_is_measured():
+    s = attach()
+    mha = nn.MultiheadAttention(64, 4, batch_first=True)
+    x = torch.randn(2, 16, 64)
+    mha(x, x, x, need_weights=False)[0].sum().backward()
+    fadiag.step()
+    assert resolved(s).calls[0].shape == (2, 4, 16, 16, 16)
+
+
+def test_seed_style_autograd_function_is_measured_after_instrument():
+    fadiag.instrument(SeedFlashAttention, name="seed_flash")
+    s = attach()
+    q, k, v = (torch.randn(1, 2, 128, 16, requires_grad=True) for _ in range(3))
+    SeedFlashAttention.apply(q, k, v, 0.25, True).sum().backward()
+    fadiag.step()
+    r = resolved(s)
+    assert [c.impl for c in r.calls] == ["seed_flash"]  # the SDPA inside is not counted twice
+    call = r.calls[0]
+    assert call.forward_seconds > 0 and call.backward_seconds > 0
+    assert call.kept_bytes == 1 * 2 * 128 * 16 * 4  # it saves q, k, v and O: O is what it keeps
+
+
+def test_instrument_after_attach_and_detach_restores_apply():
+    s = attach()
+    assert "apply" not in SeedFlashAttention.__dict__
+    fadiag.instrument(SeedFlashAttention)
+    q = torch.randn(1, 1, 8, 4, requires_grad=True)
+    SeedFlashAttention.apply(q, q, q, 0.5).sum().backward()
+    fadiag.step()
+    assert resolved(s).calls[0].impl == "SeedFlashAttention"
+    fadiag.detach()
+    assert "apply" not in SeedFlashAttention.__dict__
+
+
+def test_gradient_accumulation_of_four_micro_batches_is_one_step():
+    s = attach()
+    train(GPT(layers=2), steps=3, micro_batches=4)
+    s.flush(10)
+    assert [len(r.calls) for r in s.history()] == [8, 8, 8]
+    sites = [c.site for c in s.history()[-1].calls]
+    assert len(set(sites)) == 2  # the micro-batches share the layers' sites
+
+
+def test_steps_without_an_optimizer_fall_back_to_forward_after_backward():
+    s = attach(**{"steps.fallback_after": 3})
+    model = GPT(layers=1)
+    for _ in range(6):
+        model(torch.randint(0, 64, (2, 16))).sum().backward()
+    model(torch.randint(0, 64, (2, 16)))  # the forward that closes the sixth pass
+    s.resolver.flush(10)
+    history = s.history()
+    assert [len(r.calls) for r in history] == [1] * 6
+    assert all(r.backward_seconds > 0 for r in history)
+
+
+@pytest.mark.parametrize("mode", [None, "reentrant", "non_reentrant"])
+def test_training_is_bit_identical_with_and_without_fadiag(mode):
+    def run():
+        torch.manual_seed(0)
+        model = GPT(layers=2, checkpointing=mode)
+        losses = train(model, steps=5)
+        return losses, [p.detach().clone() for p in model.parameters()]
+
+    plain_losses, plain_params = run()
+    s = attach()
+    losses, params = run()
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+    r = resolved(s)
+    if mode is None:
+        assert not any(c.recompute for c in r.calls)
+        return
+    recomputed = [c for c in r.calls if c.recompute]
+    assert len(recomputed) == 2 and len(r.calls) == 4
+    assert r.forward_seconds == pytest.approx(sum(c.forward_seconds for c in r.calls
+                                                  if not c.recompute))
+    assert r.backward_seconds > 0
+    assert {c.site for c in recomputed} == {c.site for c in r.calls if not c.recompute}
+
+
+def test_checkpointing_still_frees_activations():
+    """The kept-bytes probe chains to checkpoint's saved-tensor hooks instead of replacing them."""
+    model = GPT(layers=2, dim=64, checkpointing="non_reentrant")
+    tokens = torch.randint(0, 64, (2, 128))
+    seen = []
+
+    def pack(t):
+        seen.append(t.numel())
+        return t
+
+    attach()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens).sum().backward()
+    # With checkpointing, the outer hooks see only the blocks' inputs, never attention internals.
+    fadiag.detach()
+    seen_with = sorted(seen)
+    seen.clear()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens).sum().backward()
+    assert seen_with == sorted(seen)
+
+
+def test_names_imported_before_attach_are_measured(tmp_path, monkeypatch):
+    (tmp_path / "early_import.py").write_text(textwrap.dedent("""
+        from torch.nn.functional import scaled_dot_product_attention
+        def attend(q, k, v):
+            return scaled_dot_product_attention(q, k, v)
+    """))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    mod = importlib.import_module("early_import")
+    original = mod.scaled_dot_product_attention
+    s = attach()
+    q = torch.randn(1, 1, 8, 4, requires_grad=True)
+    mod.attend(q, q, q).sum().backward()
+    fadiag.step()
+    assert len(resolved(s).calls) == 1
+    fadiag.detach()
+    assert mod.scaled_dot_product_attention is original
+    del sys.modules["early_import"]
+
+
+def test_detach_restores_every_function_by_identity():
+    before = F.scaled_dot_product_attention
+    attach()
+    assert F.scaled_dot_product_attention is not before
+    fadiag.detach()
+    assert F.scaled_dot_product_attention is before
+    fadiag.detach()  # idempotent
+    assert F.scaled_dot_product_attention is before
+
+
+def test_attach_twice_returns_the_same_session():
+    assert attach() is fadiag.attach()
+
+
+def test_disabled_configuration_patches_nothing():
+    before = F.scaled_dot_product_attention
+    s = fadiag.attach(enabled=False)
+    assert F.scaled_dot_product_attention is before
+    assert s.last_step() is None
+
+
+def test_no_grad_calls_are_not_measured_by_default():
+    s = attach()
+    q = torch.randn(1, 1, 8, 4)
+    with torch.no_grad():
+        F.scaled_dot_product_attention(q, q, q)
+    qg = q.clone().requires_grad_()
+    F.scaled_dot_product_attention(qg, qg, qg).sum().backward()
+    fadiag.step()
+    assert len(resolved(s).calls) == 1
+
+
+def test_sampling_measures_one_step_in_n():
+    s = attach(every_n_steps=3)
+    train(GPT(layers=1), steps=9)
+    s.flush(10)
+    assert [r.step for r in s.history()] == [3, 6, 9]
+
+
+def test_compiled_regions_pass_through_and_are_counted():
+    s = attach()
+    q = torch.randn(1, 2, 16, 8)
+
+    @torch.compile(backend="eager", fullgraph=True)
+    def f(q):
+        return F.scaled_dot_product_attention(q, q, q)
+
+    out = f(q)
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, q, q))
+    assert s.recorder.compiled_calls >= 1
+
+
+@pytest.mark.parametrize("case", ["3d", "gqa", "bool_mask", "float_mask", "dropout",
+                                  "non_contiguous", "zero_length", "nested"])
+def test_unusual_inputs_are_recorded_and_never_raise(case):
+    s = attach()
+    torch.manual_seed(0)
+    kwargs = {}
+    q = torch.randn(2, 4, 16, 8, requires_grad=True)
+    k = v = torch.randn(2, 4, 16, 8, requires_grad=True)
+    if case == "3d":
+        q = k = v = torch.randn(2, 16, 8, requires_grad=True)
+    elif case == "gqa":
+        k = v = torch.randn(2, 2, 16, 8, requires_grad=True)
+        kwargs["enable_gqa"] = True
+    elif case == "bool_mask":
+        kwargs["attn_mask"] = torch.ones(16, 16, dtype=torch.bool).tril()
+    elif case == "float_mask":
+        kwargs["attn_mask"] = torch.zeros(16, 16)
+    elif case == "dropout":
+        kwargs["dropout_p"] = 0.1
+    elif case == "non_contiguous":
+        q = torch.randn(2, 16, 4, 8, requires_grad=True).transpose(1, 2)
+    elif case == "zero_length":
+        q = k = v = torch.randn(2, 4, 0, 8, requires_grad=True)
+    elif case == "nested":
+        # (B, S*, H, D) jagged, transposed to (B, H, S*, D) as SDPA wants nested inputs
+        q = k = v = torch.nested.as_nested_tensor(
+            [torch.randn(5, 4, 8), torch.randn(7, 4, 8)], layout=torch.jagged).transpose(1, 2)
+        with torch.no_grad():
+            expected = F.scaled_dot_product_attention(q, k, v)
+        fadiag.detach()
+        s = attach(**{"steps.record_no_grad": True})
+        with torch.no_grad():
+            out = F.scaled_dot_product_attention(q, k, v)
+        assert torch.equal(out.values(), expected.values())
+        fadiag.step()
+        assert s.flush(10)
+        assert s.errors == 0
+        return
+    torch.manual_seed(1)
+    out = F.scaled_dot_product_attention(q, k, v, **kwargs)
+    out.sum().backward()
+    fadiag.step()
+    r = resolved(s)
+    assert len(r.calls) == 1
+    call = r.calls[0]
+    if case == "3d":
+        assert call.shape == (2, 1, 16, 16, 8)
+    elif case == "gqa":
+        assert call.shape[1] == 4 and call.kv_heads == 2
+    elif case == "dropout":
+        assert call.dropout == 0.1
+    assert s.errors == 0
