@@ -18,6 +18,7 @@ from .records import Flag, SiteSummary, StepReport
 log = logging.getLogger("fadiag")
 
 TOTAL = "*"
+_FUSED = ("flash", "cudnn", "cpu_flash", "flash_attn", "npu_fusion", "overrideable")
 """The `site` of a flag about a whole step."""
 
 
@@ -44,6 +45,7 @@ class Rules:
         self._seen_steps = 0
         self._over: deque[bool] = deque(maxlen=max(1, cfg.regression.consecutive))
         self._baseline_warned = False
+        self._recent: deque[float] = deque(maxlen=3)
         self._last_step = 0
 
     # ---- step rules ------------------------------------------------------------------------
@@ -152,12 +154,16 @@ class Rules:
             # A clean run on a noisy machine stays within a few MADs of its own warm-up.
             spread = 3.0 * 1.4826 * mad
         self.baseline_seconds = expected
-        over = observed > expected * (1.0 + cfg.tolerance) and observed > expected + spread
+        # A median of the last three steps: one slow step (a GC pause, a neighbour's burst) is
+        # not a regression; a real slowdown lifts the median from its second step on.
+        self._recent.append(observed)
+        smoothed = statistics.median(self._recent)
+        over = smoothed > expected * (1.0 + cfg.tolerance) and smoothed > expected + spread
         self._over.append(over)
         if len(self._over) == self._over.maxlen and all(self._over):
-            value = observed / expected
+            value = smoothed / expected
             worst = max(sites, key=lambda s: s.forward_seconds + s.backward_seconds, default=None)
-            msg = (f"attention {observed * 1e3:.2f} ms/step is {value:.2f}x its baseline "
+            msg = (f"attention {smoothed * 1e3:.2f} ms/step (median of 3) is {value:.2f}x its baseline "
                    f"{expected * 1e3:.2f} ms for {cfg.consecutive} steps"
                    + (f"; largest site {worst.site} impl={worst.impl}" if worst else "")
                    + " — check for a backend change (fadiag doctor), a new shape, or a noisy neighbour")
@@ -207,15 +213,15 @@ def _ratio_advice(r: float, threshold: float, s: SiteSummary | None, n_over: int
                "and a head dim flash supports, or enable the cuDNN backend")
     elif s.impl == "math":
         why = " — the math path: see the memory flag for why fused kernels were not used"
+    elif s.impl not in _FUSED:
+        why = (f" — {s.impl}'s own backward is slow: check that it recomputes only what it must "
+               "and launches fused kernels")
     elif s.shape[2] <= 512:
         why = (f" — short sequence (S={s.shape[2]}): the step is launch-bound and backward ≈4x forward "
                "is normal here; raise rules.backward_forward_ratio.min_forward_seconds to ignore it")
-    elif s.impl in ("flash", "cudnn", "cpu_flash", "flash_attn", "npu_fusion"):
+    else:
         why = (" — backward does 2.5x forward's FLOPs; above 3x the backward kernel is inefficient "
                "for this shape: try another backend (fadiag bench) or a newer kernel version")
-    else:
-        why = (f" — {s.impl}'s own backward is slow: check that it recomputes only what it must "
-               "and launches fused kernels")
     return head + where + why
 
 

@@ -1,0 +1,197 @@
+"""What fadiag costs a training step on the GPU, against plain runs, torch.profiler and sync timers.
+
+Interleaves blocks of steps (plain, variant, plain, variant, …) in one process and reports the
+median of per-pair ratios, with plain-vs-plain as the noise reference. Usage:
+
+    python benchmarks/overhead.py --out benchmarks/results/overhead.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fadiag  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, h: int):
+        super().__init__()
+        self.h = h
+        self.ln1, self.ln2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.proj = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp = nn.Sequential(nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
+        self.sync_timer = False
+        self.timings: list[float] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, c = x.shape
+        q, k, v = self.qkv(self.ln1(x)).view(b, t, 3, self.h, c // self.h).permute(2, 0, 3, 1, 4)
+        if self.sync_timer:
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.sync_timer:
+            torch.cuda.synchronize()
+            self.timings.append(time.perf_counter() - t0)
+        x = x + self.proj(y.transpose(1, 2).reshape(b, t, c))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, layers: int, d: int, h: int, vocab: int = 32000):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.blocks = nn.ModuleList(Block(d, h) for _ in range(layers))
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        for b in self.blocks:
+            x = b(x)
+        return self.head(x)
+
+
+MODELS = {
+    "gpu_bound": dict(layers=12, d=1024, h=16, T=2048, B=8),
+    "launch_bound": dict(layers=6, d=256, h=4, T=256, B=4),
+}
+
+
+def make(name: str):
+    m = MODELS[name]
+    model = GPT(m["layers"], m["d"], m["h"]).cuda().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
+    tokens = torch.randint(0, 32000, (m["B"], m["T"]), device="cuda")
+
+    def step():
+        logits = model(tokens)
+        F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), tokens.view(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return model, step
+
+
+@contextlib.contextmanager
+def variant(name: str, model: nn.Module):
+    if name == "plain":
+        yield
+    elif name.startswith("fadiag"):
+        overrides = {"port": 0}
+        if name == "fadiag_per_site":
+            overrides["per_site"] = True
+        if name == "fadiag_sampled":
+            overrides["every_n_steps"] = 10
+        fadiag.attach(**overrides)
+        try:
+            yield
+        finally:
+            fadiag.detach()
+    elif name == "profiler":
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+            yield
+    elif name == "sync_timers":
+        for b in model.blocks:
+            b.sync_timer = True
+        try:
+            yield
+        finally:
+            for b in model.blocks:
+                b.sync_timer = False
+                b.timings.clear()
+    else:
+        raise ValueError(name)
+
+
+def block_time(step, n: int) -> float:
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / n
+
+
+def measure(model_name: str, variants: list[str], pairs: int, steps: int) -> dict:
+    model, step = make(model_name)
+    for _ in range(10):
+        step()
+    out = {}
+    for v in ["plain"] + variants:
+        ratios, plain_t, var_t = [], [], []
+        with variant(v, model):  # warm the variant (signatures learned, profiler started)
+            block_time(step, 3)
+        for _ in range(pairs):
+            a = block_time(step, steps)
+            with variant(v, model):
+                b = block_time(step, steps)
+            plain_t.append(a)
+            var_t.append(b)
+            ratios.append(b / a - 1.0)
+        q = statistics.quantiles(ratios, n=4)
+        out[v if v != "plain" else "plain_vs_plain"] = {
+            "overhead_median": statistics.median(ratios), "overhead_q1": q[0], "overhead_q3": q[2],
+            "plain_ms": statistics.median(plain_t) * 1e3, "variant_ms": statistics.median(var_t) * 1e3,
+        }
+        print(f"{model_name:13s} {v:16s} {statistics.median(ratios) * 100:+7.2f} % "
+              f"(IQR {q[0] * 100:+.2f} .. {q[2] * 100:+.2f}); plain {statistics.median(plain_t) * 1e3:.2f} ms",
+              flush=True)
+    return out
+
+
+def host_cost_per_call(n: int = 2000) -> dict:
+    """Microbenchmark of the Python-side cost of one measured SDPA call (fwd + bwd) on tiny inputs."""
+    q = torch.randn(1, 1, 16, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    res = {}
+    for label in ("plain", "fadiag"):
+        ctx = contextlib.nullcontext() if label == "plain" else variant("fadiag", None)  # type: ignore[arg-type]
+        with ctx:
+            for _ in range(50):
+                F.scaled_dot_product_attention(q, q, q).sum().backward()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(n):
+                F.scaled_dot_product_attention(q, q, q).sum().backward()
+                if i % 8 == 7:
+                    fadiag.step()
+            torch.cuda.synchronize()
+            res[label] = (time.perf_counter() - t0) / n * 1e6
+    res["fadiag_minus_plain_us"] = res["fadiag"] - res["plain"]
+    print(f"host cost per measured call (fwd+bwd): {res['fadiag_minus_plain_us']:.1f} us", flush=True)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", default="overhead.json")
+    p.add_argument("--variants", default="fadiag,fadiag_per_site,fadiag_sampled,profiler,sync_timers")
+    p.add_argument("--models", default="gpu_bound,launch_bound")
+    p.add_argument("--pairs", type=int, default=20)
+    args = p.parse_args()
+    variants = args.variants.split(",")
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    result["host_cost"] = host_cost_per_call()
+    for m in args.models.split(","):
+        steps = 5 if m == "gpu_bound" else 30
+        pairs = args.pairs if m == "gpu_bound" else max(args.pairs, 30)
+        result[m] = measure(m, variants, pairs, steps)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

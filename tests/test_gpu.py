@@ -1,0 +1,187 @@
+"""On a CUDA GPU: the backend that ran, no host sync, timing against CUPTI, the rules, long runs.
+
+Run on the GPU machine with ``python -m pytest -m gpu tests/test_gpu.py``; CI has no GPU.
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+import fadiag
+from tests.models import GPT
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
+            "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
+
+
+def qkv(s, b=1, h=16, d=128, dtype=torch.float16):
+    return [torch.randn(b, h, s, d, device="cuda", dtype=dtype, requires_grad=True) for _ in range(3)]
+
+
+def run_steps(backend, s, steps=3, causal=False):
+    q, k, v = qkv(s)
+    for _ in range(steps):
+        with sdpa_kernel(BACKENDS[backend]):
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+        out.backward(torch.ones_like(out))
+        fadiag.step()
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+def test_impl_is_the_backend_that_ran(backend):
+    s = fadiag.attach(port=0)
+    run_steps(backend, 1024)
+    assert s.flush(30)
+    assert s.last_step().calls[0].impl == backend
+
+
+def test_no_host_sync_on_the_training_thread():
+    syncs = []
+    torch._C._activate_gpu_trace()
+    from torch.cuda import _gpu_trace
+
+    _gpu_trace.register_callback_for_device_synchronization(lambda *a: syncs.append("device"))
+    _gpu_trace.register_callback_for_stream_synchronization(lambda *a: syncs.append("stream"))
+    _gpu_trace.register_callback_for_event_synchronization(lambda *a: syncs.append("event"))
+    model = GPT(layers=4, dim=256, heads=4, vocab=256).cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    tokens = torch.randint(0, 256, (4, 512), device="cuda")
+    s = fadiag.attach(port=0)
+    for _ in range(3):  # warm-up, also learns every signature
+        model(tokens).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    torch.cuda.synchronize()
+    syncs.clear()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(20):
+            model(tokens).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert syncs == []
+    assert s.flush(30)
+    assert s.last_step().step == 23 and s.errors == 0
+
+
+def _cupti_kernel_seconds(fn, needles=("flash", "fmha", "attention", "cudnn")):
+    """Per-pass CUPTI time of attention kernels: (forward, backward)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    fwd = bwd = 0.0
+    for e in prof.events():
+        name = e.name.lower()
+        if e.device_type.name != "CUDA" or not any(n in name for n in needles):
+            continue
+        dur = e.device_time_total * 1e-6 if hasattr(e, "device_time_total") else e.cuda_time_total * 1e-6
+        if "bwd" in name or "bprop" in name or "backward" in name or "dq" in name or "dkdv" in name or "grad" in name:
+            bwd += dur
+        else:
+            fwd += dur
+    return fwd, bwd
+
+
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+@pytest.mark.parametrize("s", [2048, 4096, 8192])
+def test_forward_and_backward_within_5_percent_of_cupti_kernel_time(backend, s):
+    q, k, v = qkv(s, b=2)
+    session = fadiag.attach(port=0)
+
+    def once():
+        with sdpa_kernel(BACKENDS[backend]):
+            out = F.scaled_dot_product_attention(q, k, v)
+        out.backward(torch.ones_like(out))
+
+    for _ in range(5):
+        once()
+        fadiag.step()
+    ours_f, ours_b, ref_f, ref_b = [], [], [], []
+    for _ in range(5):
+        f, b = _cupti_kernel_seconds(once)
+        fadiag.step()
+        assert session.flush(30)
+        call = session.last_step().calls[0]
+        ours_f.append(call.forward_seconds)
+        ours_b.append(call.backward_seconds)
+        ref_f.append(f)
+        ref_b.append(b)
+    rf, rb = statistics.median(ours_f) / statistics.median(ref_f), \
+        statistics.median(ours_b) / statistics.median(ref_b)
+    print(f"{backend} S={s}: fwd {statistics.median(ours_f)*1e3:.3f} ms vs CUPTI "
+          f"{statistics.median(ref_f)*1e3:.3f} ms ({rf:.3f}); bwd {statistics.median(ours_b)*1e3:.3f}"
+          f" vs {statistics.median(ref_b)*1e3:.3f} ms ({rb:.3f})")
+    assert 0.95 <= rf <= 1.05
+    assert 0.95 <= rb <= 1.05
+
+
+@pytest.mark.parametrize("backend", ["flash", "cudnn"])
+@pytest.mark.parametrize("s", [1024, 4096])
+def test_flash_and_cudnn_raise_no_flag(backend, s):
+    session = fadiag.attach(port=0)
+    run_steps(backend, s, steps=5)
+    assert session.flush(30)
+    flags = [f for r in session.history() for f in r.flags]
+    assert flags == [], [f.message for f in flags]
+    assert session.last_step().memory_savings > 0.8
+
+
+@pytest.mark.parametrize("s", [2048, 4096])
+def test_mem_efficient_backend_raises_the_ratio_flag(s):
+    session = fadiag.attach(port=0)
+    run_steps("efficient", s, steps=5)
+    assert session.flush(30)
+    flags = [f for r in session.history() for f in r.flags]
+    assert [f.rule for f in flags] == ["backward_forward_ratio"], [f.message for f in flags]
+    assert flags[0].impl == "efficient" and "mem-efficient" in flags[0].message
+
+
+def test_forced_math_path_raises_the_memory_flag():
+    session = fadiag.attach(port=0)
+    run_steps("math", 2048, steps=2)
+    assert session.flush(30)
+    flags = [f for r in session.history() for f in r.flags if f.rule == "memory_savings"]
+    assert len(flags) == 1 and flags[0].impl == "math"
+    call = session.last_step().calls[0]
+    assert call.kept_bytes >= 16 * 2048 * 2048 * 2  # at least P, [B, H, S, S]
+
+
+def test_ten_thousand_steps_keep_event_pool_and_device_memory_flat():
+    model = GPT(layers=2, dim=128, heads=2, vocab=128).cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    tokens = torch.randint(0, 128, (2, 256), device="cuda")
+    session = fadiag.attach(port=0)
+
+    def steps(n):
+        for _ in range(n):
+            model(tokens).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    steps(200)
+    assert session.flush(30)
+    timer = session.devices.timer("cuda")
+    pool0, mem0 = timer.pool_size(), torch.cuda.memory_allocated()
+    steps(10_000)
+    assert session.flush(60)
+    pool1, mem1 = timer.pool_size(), torch.cuda.memory_allocated()
+    print(f"events created: {pool0} after warm-up, {pool1} after 10000 more steps; "
+          f"allocated {mem0} -> {mem1} bytes")
+    assert session.last_step().step == 10_200
+    assert mem1 == mem0
+    assert pool1 <= pool0 + 64  # bounded by calls in flight, not by steps
+    assert session.errors == 0
