@@ -6,17 +6,87 @@ unknown keys and bad values with a `ConfigError` naming the dotted key.
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import functools
+import os
+import reprlib
+import sys
+import typing
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar, NamedTuple
+
+import yaml
+
+from .errors import ConfigError
+
+
+class Check(NamedTuple):
+    """What a value must be: the phrase used in error messages, and the test."""
+
+    expected: str
+    accepts: Callable[[Any], bool]
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    # Ints beyond float range would overflow when the field converts them to float.
+    if _is_int(v):
+        return abs(v) <= sys.float_info.max  # type: ignore[arg-type]
+    return isinstance(v, float) and abs(v) <= sys.float_info.max  # False for nan and inf
+
+
+def _integer(lo: int, hi: int | None = None) -> Check:
+    text = f"an integer >= {lo}" if hi is None else f"an integer {lo}..{hi}"
+    return Check(text, lambda v: _is_int(v) and lo <= v and (hi is None or v <= hi))
+
+
+def _number(
+    *, above: float | None = None, lo: float | None = None, hi: float | None = None
+) -> Check:
+    if above is not None:
+        return Check(f"a number > {above:g}", lambda v: _is_number(v) and v > above)
+    assert lo is not None
+    if hi is None:
+        return Check(f"a number >= {lo:g}", lambda v: _is_number(v) and v >= lo)
+    return Check(f"a number {lo:g}..{hi:g}", lambda v: _is_number(v) and lo <= v <= hi)
+
+
+def _one_of(*choices: str) -> Check:
+    return Check("one of " + "|".join(choices), lambda v: isinstance(v, str) and v in choices)
+
+
+_BY_TYPE = {
+    bool: Check("a boolean (true or false)", lambda v: isinstance(v, bool)),
+    int: Check("an integer", _is_int),
+    float: Check("a number", _is_number),
+    str: Check("a non-empty string", lambda v: isinstance(v, str) and v != ""),
+}
+_OPTIONAL_STR = Check("a non-empty string or null", lambda v: v is None or _BY_TYPE[str].accepts(v))
 
 
 @dataclass(frozen=True, kw_only=True)
 class SamplingConfig:
+    """sampling: which steps are measured."""
+
+    _checks: ClassVar[dict[str, Check]] = {"every_n_steps": _integer(1)}
+
     every_n_steps: int = 1
     """Measure one step in N (1 = every step). Unmeasured steps cost one branch per call."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
 
 
 @dataclass(frozen=True, kw_only=True)
 class InterceptorsConfig:
+    """interceptors: which attention implementations are patched."""
+
     sdpa: bool = True
     """Patch torch.nn.functional.scaled_dot_product_attention."""
     rebind_imported: bool = True
@@ -28,9 +98,20 @@ class InterceptorsConfig:
     npu: bool = True
     """Patch torch_npu.npu_fusion_attention (+ _v2, _v3) when torch_npu is importable."""
 
+    def __post_init__(self) -> None:
+        _validate(self)
+
 
 @dataclass(frozen=True, kw_only=True)
 class StepsConfig:
+    """steps: how calls are grouped into steps and how many steps are kept."""
+
+    _checks: ClassVar[dict[str, Check]] = {
+        "history": _integer(1),
+        "fallback_after": _integer(1),
+        "max_calls_per_step": _integer(1),
+    }
+
     history: int = 256
     """How many resolved StepReports to keep in memory."""
     fallback_after: int = 32
@@ -40,26 +121,58 @@ class StepsConfig:
     max_calls_per_step: int = 4096
     """Calls beyond this in one step are counted but not measured (bounds memory)."""
 
+    def __post_init__(self) -> None:
+        _validate(self)
+
 
 @dataclass(frozen=True, kw_only=True)
 class RatioRuleConfig:
+    """rules.backward_forward_ratio: flag a slow backward relative to its forward."""
+
+    _checks: ClassVar[dict[str, Check]] = {
+        "threshold": _number(above=0),
+        "min_forward_seconds": _number(lo=0),
+    }
+
     enabled: bool = True
+    """Evaluate this rule."""
     threshold: float = 3.0
     """Flag when backward seconds / forward seconds exceeds this."""
     min_forward_seconds: float = 0.0
     """Ignore sites whose forward time is below this (microsecond noise); 0 keeps the rule as written."""
 
+    def __post_init__(self) -> None:
+        _validate(self)
+
 
 @dataclass(frozen=True, kw_only=True)
 class MemoryRuleConfig:
+    """rules.memory_savings: flag attention that keeps nearly as much as standard attention."""
+
+    _checks: ClassVar[dict[str, Check]] = {"threshold": _number(lo=0, hi=1)}
+
     enabled: bool = True
+    """Evaluate this rule."""
     threshold: float = 0.8
     """Flag when memory savings (1 - kept / standard) fall below this."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RegressionRuleConfig:
+    """rules.regression: flag attention time rising above its baseline."""
+
+    _checks: ClassVar[dict[str, Check]] = {
+        "tolerance": _number(above=0),
+        "consecutive": _integer(1),
+        "warmup_steps": _integer(0),
+        "window": _integer(1),
+    }
+
     enabled: bool = True
+    """Evaluate this rule."""
     tolerance: float = 0.2
     """Flag when attention time exceeds the baseline by more than this fraction."""
     consecutive: int = 5
@@ -71,16 +184,29 @@ class RegressionRuleConfig:
     baseline_file: str | None = None
     """A baseline written by `fadiag baseline save`; replaces the rolling baseline where it matches."""
 
+    def __post_init__(self) -> None:
+        _validate(self)
+
 
 @dataclass(frozen=True, kw_only=True)
 class HangRuleConfig:
+    """rules.hang: flag an attention call that has not finished."""
+
+    _checks: ClassVar[dict[str, Check]] = {"timeout_seconds": _number(above=0)}
+
     enabled: bool = True
+    """Evaluate this rule."""
     timeout_seconds: float = 300.0
     """Flag when the oldest unfinished attention call is older than this."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
 
 
 @dataclass(frozen=True, kw_only=True)
 class RulesConfig:
+    """rules: the checks run on every resolved step."""
+
     backward_forward_ratio: RatioRuleConfig = field(default_factory=RatioRuleConfig)
     memory_savings: MemoryRuleConfig = field(default_factory=MemoryRuleConfig)
     regression: RegressionRuleConfig = field(default_factory=RegressionRuleConfig)
@@ -88,10 +214,23 @@ class RulesConfig:
     per_site: bool = True
     """Evaluate the ratio and memory rules per call site as well as for the step total."""
 
+    def __post_init__(self) -> None:
+        _validate(self)
+
 
 @dataclass(frozen=True, kw_only=True)
 class ExporterConfig:
+    """exporter: the Prometheus /metrics endpoint."""
+
+    _checks: ClassVar[dict[str, Check]] = {
+        "port": _integer(0, 65535),
+        "on_port_in_use": _one_of("next", "disable", "fail"),
+        "max_sites": _integer(1),
+    }
+    _together: ClassVar[tuple[tuple[str, str], ...]] = (("certfile", "keyfile"),)
+
     enabled: bool = True
+    """Serve /metrics."""
     addr: str = "127.0.0.1"
     """Address the /metrics endpoint binds to; loopback by default, 0.0.0.0 to be scraped from outside."""
     port: int = 9464
@@ -105,10 +244,18 @@ class ExporterConfig:
     certfile: str | None = None
     """TLS certificate (with keyfile) for the endpoint, served by prometheus_client."""
     keyfile: str | None = None
+    """TLS private key for certfile."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
 
 
 @dataclass(frozen=True, kw_only=True)
 class JsonlConfig:
+    """jsonl: the run log, one JSON line per step and per flag."""
+
+    _checks: ClassVar[dict[str, Check]] = {"max_bytes": _integer(1024), "backups": _integer(0)}
+
     path: str | None = None
     """Directory for the run log (one file per rank); None disables it."""
     max_bytes: int = 64 * 1024 * 1024
@@ -116,11 +263,21 @@ class JsonlConfig:
     backups: int = 3
     """Rotated files kept."""
 
+    def __post_init__(self) -> None:
+        _validate(self)
+
 
 @dataclass(frozen=True, kw_only=True)
 class LogConfig:
+    """log: warnings written through the `fadiag` logger."""
+
+    _checks: ClassVar[dict[str, Check]] = {"flag_interval_seconds": _number(lo=0)}
+
     flag_interval_seconds: float = 60.0
     """At most one warning per rule and site in this interval."""
+
+    def __post_init__(self) -> None:
+        _validate(self)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -133,6 +290,8 @@ class Config:
         fadiag.attach(cfg)
     """
 
+    _checks: ClassVar[dict[str, Check]] = {"device": _one_of("auto", "cpu", "cuda", "npu")}
+
     enabled: bool = True
     """False: attach() returns a session that patches nothing."""
     device: str = "auto"
@@ -144,3 +303,420 @@ class Config:
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     jsonl: JsonlConfig = field(default_factory=JsonlConfig)
     log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        _validate(self)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Every key and its value, nested as in the YAML file; `load_config()` accepts it back."""
+        return dataclasses.asdict(self)
+
+
+# --- validation -------------------------------------------------------------------------------
+
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+
+
+@functools.cache
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+@functools.cache
+def _schema(cls: type) -> dict[str, Check | type]:
+    """Each field of a config class: its Check, or the config class of its nested section."""
+    hints = _hints(cls)
+    schema: dict[str, Check | type] = {}
+    for f in dataclasses.fields(cls):
+        hint = hints[f.name]
+        if isinstance(hint, type) and dataclasses.is_dataclass(hint):
+            schema[f.name] = hint
+        elif f.name in getattr(cls, "_checks", {}):
+            schema[f.name] = cls._checks[f.name]  # type: ignore[attr-defined]
+        elif hint == str | None:
+            schema[f.name] = _OPTIONAL_STR
+        else:
+            schema[f.name] = _BY_TYPE[hint]
+    return schema
+
+
+@functools.cache
+def _prefixes() -> dict[type, str]:
+    """Each config class's dotted prefix: "" for Config, "rules.hang." for HangRuleConfig."""
+    prefixes: dict[type, str] = {Config: ""}
+    todo: list[type] = [Config]
+    while todo:
+        cls = todo.pop()
+        for name, spec in _schema(cls).items():
+            if isinstance(spec, type):
+                assert spec not in prefixes, f"{spec.__name__} appears twice in the schema"
+                prefixes[spec] = f"{prefixes[cls]}{name}."
+                todo.append(spec)
+    return prefixes
+
+
+def _problems(
+    cls: type, given: Mapping[str, Any], effective: Mapping[str, Any]
+) -> Iterator[tuple[str, str]]:
+    """(field name, reason) for each bad leaf in `given` and each bad combination in `effective`."""
+    schema = _schema(cls)
+    bad = set()
+    for name, value in given.items():
+        check = schema[name]
+        if isinstance(check, Check) and not check.accepts(value):
+            bad.add(name)
+            yield name, f"must be {check.expected}, got {_REPR.repr(value)}"
+    for a, b in getattr(cls, "_together", ()):
+        if a in bad or b in bad or (effective[a] is None) == (effective[b] is None):
+            continue
+        have, lack = (a, b) if effective[b] is None else (b, a)
+        yield have, f"is set but {_prefixes()[cls]}{lack} is not; set both or neither"
+
+
+def _validate(obj: Any) -> None:
+    cls: type = type(obj)
+    prefix = _prefixes()[cls]
+    values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    for name, reason in _problems(cls, values, values):
+        raise ConfigError(f"{prefix}{name} {reason}")
+    for name, spec in _schema(cls).items():
+        value = values[name]
+        if isinstance(spec, type) and not isinstance(value, spec):
+            raise ConfigError(
+                f"{prefix}{name} must be of type {spec.__name__}, got {_REPR.repr(value)}; "
+                "load_config() builds one from a mapping"
+            )
+        if _is_int(value) and _hints(cls)[name] is float:
+            object.__setattr__(obj, name, float(value))  # floats accept ints, and store floats
+
+
+# --- loading ----------------------------------------------------------------------------------
+
+ALIASES: Mapping[str, str] = {
+    "port": "exporter.port",
+    "addr": "exporter.addr",
+    "jsonl": "jsonl.path",
+    "device": "device",
+    "enabled": "enabled",
+    "every_n_steps": "sampling.every_n_steps",
+    "per_site": "exporter.per_site",
+}
+"""Short override names (`attach(port=0)`) and the dotted keys they set."""
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    """One problem in a configuration, located as precisely as it can be.
+
+    ``str(issue)`` is the ``FILE:LINE: key: reason`` line `fadiag check-config` prints.
+    """
+
+    key: str
+    """Dotted key, or "" for the file or document as a whole."""
+    message: str
+    """A sentence that names the key: "exporter.port must be an integer 0..65535, got -1"."""
+    reason: str
+    """The same without the key: "must be an integer 0..65535, got -1"."""
+    source: str | None = None
+    """The file the value came from; None for a dict, a Config or overrides."""
+    line: int | None = None
+    """1-based line in `source`, where known."""
+
+    def __str__(self) -> str:
+        where = f"{self.source}:{self.line}" if self.source and self.line else self.source
+        return ": ".join(part for part in (where, self.key, self.reason) if part)
+
+    def describe(self) -> str:
+        """The message, prefixed with FILE:LINE when the value came from a file."""
+        if not self.source:
+            return self.message
+        return (
+            f"{self.source}:{self.line}: {self.message}"
+            if self.line
+            else f"{self.source}: {self.message}"
+        )
+
+
+class _Layer(NamedTuple):
+    data: object
+    source: str | None = None
+    lines: Mapping[str, int] = {}
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Build the Config that `attach(source, **overrides)` runs with.
+
+    Lowest first: defaults, the YAML file named by $FADIAG_CONFIG (only when `source` is None),
+    `source` (a YAML path, a mapping or a Config), then `overrides` (dotted keys, ``a__b`` keys or
+    the short names in `ALIASES`). FADIAG_DISABLE=1 forces ``enabled: false``. Raises ConfigError
+    listing every problem, the first on the first line.
+    """
+    config, issues = _resolve(
+        _layers(source, overrides, os.environ if environ is None else environ)
+    )
+    if issues:
+        raise ConfigError("\n".join(issue.describe() for issue in issues))
+    assert config is not None
+    return config
+
+
+def config_issues(
+    source: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> list[ConfigIssue]:
+    """Every problem `load_config()` with the same arguments would raise for; [] when it loads."""
+    return _resolve(_layers(source, overrides, os.environ if environ is None else environ))[1]
+
+
+def validate_mapping(
+    data: object, *, source: str | None = None, lines: Mapping[str, int] | None = None
+) -> list[ConfigIssue]:
+    """Every problem in one document (as `yaml.safe_load` returns it), read over the defaults.
+
+    `lines` maps dotted keys to 1-based lines of `source`, to locate the issues.
+    """
+    return _resolve([_Layer(data, source, lines or {})])[1]
+
+
+def _layers(source: object, overrides: object, environ: Mapping[str, str]) -> list[_Layer]:
+    layers = []
+    if source is None:
+        if environ.get("FADIAG_CONFIG"):
+            layers.append(_read_yaml(environ["FADIAG_CONFIG"], " (named by FADIAG_CONFIG)"))
+    elif isinstance(source, (str, os.PathLike)):
+        layers.append(_read_yaml(source))
+    elif isinstance(source, (Mapping, Config)):
+        layers.append(_Layer(source))
+    else:
+        reason = f"must be a YAML path, a mapping or a Config, got {_REPR.repr(source)}"
+        layers.append(_Layer(ConfigIssue("", f"the configuration {reason}", reason)))
+    if isinstance(overrides, Mapping):
+        layers += [_Layer(_override(key, value)) for key, value in overrides.items()]
+    elif overrides is not None:
+        reason = f"must be a mapping of keys to values, got {_REPR.repr(overrides)}"
+        layers.append(_Layer(ConfigIssue("", f"overrides {reason}", reason)))
+    if environ.get("FADIAG_DISABLE", "").strip().lower() in _TRUE:
+        layers.append(_Layer({"enabled": False}))
+    return layers
+
+
+def _override(key: object, value: object) -> object:
+    """One override as a nested mapping: "exporter.port", "exporter__port" and "port" alike."""
+    if not isinstance(key, str):
+        return {key: value}
+    path = key.replace("__", ".")
+    if path in ALIASES and not isinstance(value, Mapping):  # jsonl={"path": ...} is the section
+        path = ALIASES[path]
+    for part in reversed(path.split(".")):
+        value = {part: value}
+    return value
+
+
+def _read_yaml(path: str | os.PathLike[str], note: str = "") -> _Layer:
+    source = os.fsdecode(path)
+
+    def failed(reason: str, line: int | None = None) -> _Layer:
+        return _Layer(ConfigIssue("", reason, reason, source, line))
+
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return failed(f"configuration file not found{note}")
+    except UnicodeDecodeError as e:
+        return failed(f"configuration file is not UTF-8 text: {e.reason} at byte {e.start}{note}")
+    except OSError as e:
+        return failed(f"cannot read the configuration file: {e.strerror or e}{note}")
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.YAMLError as e:  # a character YAML does not allow
+        return failed(f"invalid YAML: {e}")
+    try:
+        node = loader.get_single_node()
+        data = None if node is None else loader.construct_document(node)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        if mark is None:
+            return failed(f"invalid YAML: {e.problem or e.context}")
+        return failed(
+            f"invalid YAML at column {mark.column + 1}: {e.problem or e.context}", mark.line + 1
+        )
+    except yaml.YAMLError as e:
+        return failed(f"invalid YAML: {e}")
+    except RecursionError:
+        return failed("invalid YAML: nested too deeply")
+    finally:
+        loader.dispose()
+    lines: dict[str, int] = {}
+    if node is not None:
+        lines[""] = node.start_mark.line + 1
+        _key_lines(node, "", lines)
+    return _Layer(data, source, lines)
+
+
+def _key_lines(node: yaml.Node, prefix: str, lines: dict[str, int], depth: int = 0) -> None:
+    # Deeper than the schema nothing needs a line: unknown keys are reported where they start.
+    if not isinstance(node, yaml.MappingNode) or depth > 3:
+        return
+    for key, value in node.value:
+        if isinstance(key, yaml.ScalarNode):
+            lines[prefix + key.value] = key.start_mark.line + 1
+            _key_lines(value, f"{prefix}{key.value}.", lines, depth + 1)
+
+
+def _resolve(layers: list[_Layer]) -> tuple[Config | None, list[ConfigIssue]]:
+    """Merge the layers key by key over the defaults, then check the result."""
+    issues: list[ConfigIssue] = []
+    merged: dict[str, Any] = {}
+    origins: dict[str, tuple[str | None, int | None]] = {}
+    for layer in layers:
+        if isinstance(layer.data, ConfigIssue):
+            issues.append(layer.data)
+        else:
+            _merge(Config, layer.data, merged, origins, layer, issues)
+    _check(Config, merged, origins, issues)
+    issues.sort(key=lambda issue: issue.line or 0)  # stable: a file's issues in line order
+    return (None, issues) if issues else (_build(Config, merged), [])
+
+
+def _merge(
+    cls: type,
+    data: object,
+    into: dict[str, Any],
+    origins: dict[str, tuple[str | None, int | None]],
+    layer: _Layer,
+    issues: list[ConfigIssue],
+) -> None:
+    prefix = _prefixes()[cls]
+    if isinstance(data, cls):  # a Config or a section: its fields, sections left to recurse
+        data = {f.name: getattr(data, f.name) for f in dataclasses.fields(cls)}
+    if data is None:  # an empty document or an empty section: the defaults
+        return
+    if not isinstance(data, Mapping):
+        key = prefix.rstrip(".")
+        reason = f"must be a mapping of keys to values, got {_REPR.repr(data)}"
+        message = f"{key} {reason}" if key else f"the configuration {reason}"
+        issues.append(ConfigIssue(key, message, reason, layer.source, layer.lines.get(key)))
+        return
+    schema = _schema(cls)
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        line = layer.lines.get(dotted)
+        spec = schema.get(key) if isinstance(key, str) else None
+        if spec is None:
+            hint = _suggest(cls, str(key))
+            issues.append(
+                ConfigIssue(
+                    dotted,
+                    f"unknown key {dotted}; {hint}",
+                    f"unknown key; {hint}",
+                    layer.source,
+                    line,
+                )
+            )
+        elif isinstance(spec, type):
+            _merge(spec, value, into.setdefault(key, {}), origins, layer, issues)
+        else:
+            into[key] = value
+            origins[dotted] = (layer.source, line)
+
+
+def _check(
+    cls: type,
+    merged: dict[str, Any],
+    origins: dict[str, tuple[str | None, int | None]],
+    issues: list[ConfigIssue],
+) -> None:
+    prefix = _prefixes()[cls]
+    schema = _schema(cls)
+    given = {name: value for name, value in merged.items() if isinstance(schema[name], Check)}
+    effective = {**_defaults(cls), **given}
+    for name, reason in _problems(cls, given, effective):
+        key = prefix + name
+        issues.append(ConfigIssue(key, f"{key} {reason}", reason, *origins.get(key, (None, None))))
+    for name, value in merged.items():
+        spec = schema[name]
+        if isinstance(spec, type):
+            _check(spec, value, origins, issues)
+
+
+def _build(cls: type, merged: Mapping[str, Any]) -> Any:
+    schema = _schema(cls)
+    return cls(
+        **{
+            name: _build(schema[name], value) if isinstance(schema[name], type) else value  # type: ignore[arg-type]
+            for name, value in merged.items()
+        }
+    )
+
+
+@functools.cache
+def _defaults(cls: type) -> dict[str, Any]:
+    default = cls()
+    return {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
+
+
+def _suggest(cls: type, name: str) -> str:
+    """How to fix an unknown key: the key it was probably meant to be, or the keys allowed here."""
+    prefix = _prefixes()[cls]
+    if "." in name and prefix + name in _all_keys():
+        section, _, rest = name.partition(".")
+        return f"dotted keys work only as overrides; nest it: {section}: {{{rest}: ...}}"
+    by_leaf: dict[str, list[str]] = {}
+    for key in _all_keys():
+        by_leaf.setdefault(key.rpartition(".")[2], []).append(key)
+    misplaced = by_leaf.get(name, [])  # the right name in the wrong section: "port" at the top
+    nearby = [key for key in misplaced if key.startswith(prefix)]
+    if misplaced:
+        return f"did you mean {' or '.join(nearby or misplaced)}?"
+    close = difflib.get_close_matches(name, list(_schema(cls)), n=1)
+    if close:
+        return f"did you mean {prefix}{close[0]}?"
+    close = difflib.get_close_matches(name, list(by_leaf), n=1)
+    if close:
+        return f"did you mean {' or '.join(by_leaf[close[0]])}?"
+    return "expected one of " + ", ".join(prefix + key for key in _schema(cls))
+
+
+@functools.cache
+def _all_keys() -> tuple[str, ...]:
+    """Every dotted key in the schema, sections included."""
+    return tuple(prefix + name for cls, prefix in _prefixes().items() for name in _schema(cls))
+
+
+class ConfigKey(NamedTuple):
+    """One leaf of the schema, for references and tools (see `config_keys()`)."""
+
+    key: str
+    """Dotted key: "exporter.port"."""
+    owner: type
+    """The config class that holds it: ExporterConfig."""
+    type: str
+    """As annotated: "int", "str | None"."""
+    default: Any
+    expected: str
+    """What a value must be, as error messages say it: "an integer 0..65535"."""
+
+
+def config_keys(cls: type = Config) -> list[ConfigKey]:
+    """Every leaf key of the schema: a section's own keys first, then its subsections in order."""
+    prefix, schema = _prefixes()[cls], _schema(cls)
+    types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    keys = [
+        ConfigKey(prefix + name, cls, types[name], _defaults(cls)[name], spec.expected)
+        for name, spec in schema.items()
+        if isinstance(spec, Check)
+    ]
+    for spec in schema.values():
+        if isinstance(spec, type):
+            keys += config_keys(spec)
+    return keys
