@@ -1,0 +1,66 @@
+"""`fadiag doctor`: torch build, devices, usable SDPA backends for a shape, optional packages."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from typing import Any
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
+    return value
+
+
+def _dropout(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
+    return value
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "doctor",
+        help="what this machine can run: torch build, devices, SDPA backends, packages",
+        description="Report the torch build, the devices, which SDPA backends torch would accept "
+                    "for a given attention shape (and torch's own reasons when not), and which "
+                    "optional packages import.",
+    )
+    p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto",
+                   help="device to check SDPA backends on (default: the one training would use)")
+    p.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
+    p.add_argument("--heads", type=_positive, default=16, help="query heads (default 16)")
+    p.add_argument("--seq-len", type=_positive, default=2048, help="sequence length (default 2048)")
+    p.add_argument("--head-dim", type=_positive, default=128, help="head dimension (default 128)")
+    p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
+                   help="compute dtype (default: float32 on cpu, bfloat16 on accelerators)")
+    p.add_argument("--dropout", type=_dropout, default=0.0, help="attention dropout (default 0)")
+    p.add_argument("--no-causal", dest="causal", action="store_false",
+                   help="check a non-causal call (default: causal)")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..device import default_device_type
+    from ..doctor import Query, diagnose, format_text
+
+    device = default_device_type() if args.device == "auto" else args.device
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else "bfloat16"
+    query = Query(device=device, batch=args.batch, heads=args.heads, seq_len=args.seq_len,
+                  head_dim=args.head_dim, dtype=dtype, causal=args.causal, dropout=args.dropout)
+    report = diagnose(query)
+    print(json.dumps(report, indent=2) if args.json else format_text(report))
+    # The report is the product; a requested device that is missing is the one failing finding.
+    return 1 if "error" in report["sdpa"] else 0

@@ -1,0 +1,73 @@
+"""`fadiag run [--config F] [--port P] [--jsonl DIR] -- CMD ...`: launch CMD with fadiag attached."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+
+def _config_file(text: str) -> str:
+    if not Path(text).is_file():
+        raise argparse.ArgumentTypeError(f"no such file: {text}")
+    return text
+
+
+def _port(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}") from None
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {value}")
+    return value
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "run",
+        help="run a command with fadiag attached to every training process (no code change)",
+        description="Run CMD (python, torchrun, accelerate, ...) with fadiag attached in every "
+                    "Python process of it that trains: processes with LOCAL_RANK set, and any "
+                    "other process that imports torch except launchers (torchrun, accelerate, "
+                    "deepspeed), multiprocessing workers and torch's helper processes. Signals "
+                    "are forwarded to CMD; the exit status is CMD's.",
+        usage="fadiag run [-h] [--config FILE] [--port PORT] [--jsonl DIR] -- CMD [ARG ...]",
+    )
+    p.add_argument("--config", metavar="FILE", type=_config_file,
+                   help="YAML config for every attached process (FADIAG_CONFIG)")
+    p.add_argument("--port", type=_port, default=None,
+                   help="metrics base port: rank r serves on PORT + LOCAL_RANK; 0 picks free ports "
+                        "(default: the config's exporter.port, 9464)")
+    p.add_argument("--jsonl", metavar="DIR", default=None,
+                   help="write each rank's run log fadiag-rank<R>.jsonl into DIR")
+    p.add_argument("cmd", metavar="CMD", nargs=argparse.REMAINDER,
+                   help="the command to run, after --")
+    p.set_defaults(func=run, _parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..launch import LaunchOptions, launch
+
+    cmd = list(args.cmd)
+    if cmd and cmd[0] == "--":
+        cmd = cmd[1:]
+    if not cmd:
+        args._parser.error("the following arguments are required: CMD (the command to run, after --)")
+    if args.config is not None:
+        error = _config_error(args.config)
+        if error:
+            args._parser.error(f"argument --config: {error}")
+    return launch(cmd, LaunchOptions(config=args.config, port=args.port, jsonl=args.jsonl))
+
+
+def _config_error(path: str) -> str | None:
+    """Check the config here, where a mistake can still be reported before anything starts."""
+    from .. import load_config
+    from ..errors import ConfigError
+
+    try:
+        load_config(path)
+    except ConfigError as e:
+        return str(e)
+    return None

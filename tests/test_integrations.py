@@ -1,0 +1,202 @@
+"""Trainer callbacks: attach/detach ownership, figures into trainer logs, lazy framework imports."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fadiag
+from fadiag.integrations import TrainingRun
+from fadiag.records import Flag, StepReport
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+class FakeSession:
+    def __init__(self) -> None:
+        self.steps: list[StepReport] = []
+
+    def history(self) -> list[StepReport]:
+        return list(self.steps)
+
+
+def _report(n: int, flags: tuple[str, ...] = ()) -> StepReport:
+    return StepReport(step=n, forward_seconds=0.002, backward_seconds=0.005, kept_bytes=100,
+                      standard_bytes=1000, peak_bytes=None,
+                      flags=[Flag(rule=r, value=1.0, threshold=0.5, step=n, site="s", message="m")
+                             for r in flags])
+
+
+@pytest.fixture
+def fake_fadiag(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    state: dict[str, Any] = {"session": None, "attached": 0, "detached": 0}
+
+    def attach(config: Any = None, **overrides: Any) -> FakeSession:
+        state["attached"] += 1
+        state["overrides"] = overrides
+        state["session"] = FakeSession()
+        return state["session"]
+
+    def detach() -> None:
+        state["detached"] += 1
+        state["session"] = None
+
+    monkeypatch.setattr(fadiag, "attach", attach)
+    monkeypatch.setattr(fadiag, "detach", detach)
+    monkeypatch.setattr(fadiag, "current_session", lambda: state["session"])
+    return state
+
+
+def test_importing_fadiag_and_its_integrations_imports_no_framework() -> None:
+    code = ("import sys, fadiag, fadiag.integrations.hf, fadiag.integrations.lightning; "
+            "print(sorted(m for m in ('transformers', 'lightning', 'pytorch_lightning') "
+            "if m in sys.modules))")
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "[]"
+
+
+def test_a_run_that_attached_detaches_at_the_end(fake_fadiag: dict[str, Any]) -> None:
+    run = TrainingRun(overrides={"port": 0})
+    run.start()
+    assert fake_fadiag["attached"] == 1 and fake_fadiag["overrides"] == {"port": 0}
+    run.stop()
+    assert fake_fadiag["detached"] == 1
+
+
+def test_a_run_leaves_a_session_it_did_not_attach(fake_fadiag: dict[str, Any]) -> None:
+    fake_fadiag["session"] = existing = FakeSession()
+    run = TrainingRun()
+    assert run.start() is existing
+    run.stop()
+    assert fake_fadiag["attached"] == 0 and fake_fadiag["detached"] == 0
+
+
+def test_metrics_report_each_new_step_once_with_flags_by_rule(fake_fadiag: dict[str, Any]) -> None:
+    run = TrainingRun()
+    session = run.start()
+    assert run.metrics() == {}
+    session.steps += [_report(1, ("memory_savings",)), _report(2, ("memory_savings", "hang"))]
+    figures = run.metrics()
+    assert figures["fadiag/step"] == 2.0
+    assert figures["fadiag/forward_ms"] == pytest.approx(2.0)
+    assert figures["fadiag/backward_forward_ratio"] == pytest.approx(2.5)
+    assert figures["fadiag/memory_savings"] == pytest.approx(0.9)
+    assert figures["fadiag/flags"] == 3.0
+    assert figures["fadiag/flags/memory_savings"] == 2.0
+    assert run.metrics() == {}
+
+
+def _fake_transformers(monkeypatch: pytest.MonkeyPatch) -> type:
+    module = types.ModuleType("transformers")
+
+    class TrainerCallback:
+        pass
+
+    module.TrainerCallback = TrainerCallback  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, "transformers", module)
+    import fadiag.integrations.hf as hf
+
+    monkeypatch.delitem(hf.__dict__, "FadiagCallback", raising=False)
+    return TrainerCallback
+
+
+def test_hf_callback_attaches_logs_figures_and_detaches(monkeypatch: pytest.MonkeyPatch,
+                                                         fake_fadiag: dict[str, Any]) -> None:
+    base = _fake_transformers(monkeypatch)
+    from fadiag.integrations.hf import FadiagCallback
+
+    assert issubclass(FadiagCallback, base)
+    cb = FadiagCallback(port=0)
+    state = types.SimpleNamespace(global_step=1, log_history=[{"loss": 2.0, "step": 1}])
+    cb.on_train_begin(None, state, None)
+    fake_fadiag["session"].steps.append(_report(1, ("backward_forward_ratio",)))
+    logs = {"loss": 2.0}
+    cb.on_log(None, state, None, logs=logs)
+    assert logs["fadiag/flags/backward_forward_ratio"] == 1.0
+    assert state.log_history[-1]["fadiag/forward_ms"] == pytest.approx(2.0)
+    cb.on_train_end(None, state, None)
+    assert fake_fadiag["detached"] == 1
+
+
+def test_hf_callback_without_transformers_says_how_to_install(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "transformers", None)
+    import fadiag.integrations.hf as hf
+
+    monkeypatch.delitem(hf.__dict__, "FadiagCallback", raising=False)
+    with pytest.raises(ImportError, match="pip install transformers"):
+        hf.FadiagCallback  # noqa: B018
+
+
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_lightning_callback_logs_through_the_module_and_detaches(
+        package: str, monkeypatch: pytest.MonkeyPatch, fake_fadiag: dict[str, Any]) -> None:
+    class Callback:
+        pass
+
+    module = types.ModuleType(package)
+    module.Callback = Callback  # type: ignore[attr-defined]
+    if package == "lightning.pytorch":
+        monkeypatch.setitem(sys.modules, "lightning", types.ModuleType("lightning"))
+    else:
+        monkeypatch.setitem(sys.modules, "lightning", None)
+    monkeypatch.setitem(sys.modules, package, module)
+    import fadiag.integrations.lightning as lt
+
+    monkeypatch.delitem(lt.__dict__, "FadiagCallback", raising=False)
+    cb = lt.FadiagCallback()
+    assert isinstance(cb, Callback)
+    logged: list[dict[str, float]] = []
+    pl_module = types.SimpleNamespace(log_dict=lambda d, **kw: logged.append(d))
+    cb.on_train_start(None, pl_module)
+    cb.on_train_batch_end(None, pl_module, None, None, 0)
+    fake_fadiag["session"].steps.append(_report(1))
+    cb.on_train_batch_end(None, pl_module, None, None, 1)
+    assert len(logged) == 1 and logged[0]["fadiag/step"] == 1.0
+    cb.on_exception(None, pl_module, RuntimeError("boom"))
+    assert fake_fadiag["detached"] == 1
+
+
+def test_a_run_with_the_real_session_reports_measured_steps() -> None:
+    run = TrainingRun(overrides={"exporter.enabled": False})
+    session = run.start()
+    try:
+        q = torch.randn(1, 2, 64, 16, requires_grad=True)
+        opt = torch.optim.SGD([q], lr=0.1)
+        for _ in range(3):
+            F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        session.flush()
+        figures = run.metrics()
+    finally:
+        run.stop()
+    assert fadiag.current_session() is None
+    assert figures["fadiag/step"] >= 2
+    assert figures["fadiag/forward_ms"] > 0 and figures["fadiag/backward_ms"] > 0
+
+
+def test_hf_callback_is_a_real_trainer_callback() -> None:
+    transformers = pytest.importorskip("transformers")
+    from fadiag.integrations.hf import FadiagCallback
+
+    assert issubclass(FadiagCallback, transformers.TrainerCallback)
+
+
+def test_lightning_callback_is_a_real_lightning_callback() -> None:
+    try:
+        from lightning.pytorch import Callback
+    except ImportError:
+        Callback = pytest.importorskip("pytorch_lightning").Callback
+    from fadiag.integrations.lightning import FadiagCallback
+
+    assert issubclass(FadiagCallback, Callback)
