@@ -18,6 +18,8 @@ from .records import Flag, SiteSummary, StepReport
 log = logging.getLogger("fadiag")
 
 TOTAL = "*"
+CLEAR_AFTER = 3
+"""Calm evaluations (steps, or hang checks) before an open episode is cleared."""
 _FUSED = ("flash", "cudnn", "cpu_flash", "flash_attn", "npu_fusion", "overrideable")
 """The `site` of a flag about a whole step."""
 
@@ -46,6 +48,7 @@ class Rules:
         self._over: deque[bool] = deque(maxlen=max(1, cfg.regression.consecutive))
         self._baseline_warned = False
         self._recent: deque[float] = deque(maxlen=3)
+        self._calm: dict[tuple[str, str], int] = {}
         self._last_step = 0
 
     # ---- step rules ------------------------------------------------------------------------
@@ -74,7 +77,18 @@ class Rules:
                 self.active[key] = flag
                 out.append(flag)
         rules = tuple(rules)
-        for key in [k for k in self.active if k[0] in rules and k not in conditions]:
+        for key in list(self.active):
+            if key[0] not in rules:
+                continue
+            if key in conditions:
+                self._calm.pop(key, None)
+                continue
+            # An episode ends after CLEAR_AFTER calm evaluations, so a value hovering at the
+            # threshold is one episode, not a flag every other step.
+            self._calm[key] = self._calm.get(key, 0) + 1
+            if self._calm[key] < CLEAR_AFTER:
+                continue
+            del self._calm[key]
             old = self.active.pop(key)
             out.append(Flag(rule=old.rule, value=old.value, threshold=old.threshold, step=step,
                             site=old.site, message=f"cleared: {old.rule} at {old.site}",

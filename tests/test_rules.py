@@ -74,7 +74,7 @@ def test_one_flag_per_episode_and_cleared_when_it_ends():
     s = attach(on_flag=seen.append)
     for _ in range(3):
         attention_step(SDPBackend.MATH)
-    for _ in range(2):
+    for _ in range(3):
         attention_step()
     s.flush(10)
     assert [f.rule for f in seen if f.rule == "memory_savings"] == ["memory_savings"]
