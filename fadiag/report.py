@@ -273,6 +273,8 @@ def plot_run(run: Run, out_dir: str | os.PathLike[str], prefix: str = "") -> lis
             label="savings", marker=".")
     ax.axhline(limits["memory_savings"], color="red", linestyle="--",
                label=f"threshold {limits['memory_savings']:g}")
+    lowest = min((s.memory_savings for s in steps if s.memory_savings is not None), default=0.0)
+    ax.set_ylim(min(0.0, lowest) - 0.05, 1.05)
     ax.legend()
     save(fig, "savings")
 

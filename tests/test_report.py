@@ -113,3 +113,24 @@ def test_bad_report_arguments_exit_2_naming_the_argument(argv: list[str], named:
                           text=True, timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 2
     assert named in proc.stderr
+
+
+def test_report_plots_a_real_demo_run(tmp_path: Path) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FADIAG_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+
+    def fadiag(*argv: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-m", "fadiag", *argv], cwd=ROOT, env=env,
+                              capture_output=True, text=True, timeout=120)
+
+    runs = tmp_path / "runs"
+    demo = fadiag("demo", "--steps", "6", "--port", "0", "--seq-len", "128", "--force-math",
+                  "--jsonl", str(runs))
+    assert demo.returncode == 0, demo.stderr
+    out = tmp_path / "report"
+    report = fadiag("report", str(runs / "fadiag-rank0.jsonl"), "--out", str(out), "--html")
+    assert report.returncode == 0, report.stderr
+    assert "6 steps" in report.stdout and "memory_savings: 1" in report.stdout
+    for name in PNGS:
+        assert (out / f"{name}.png").stat().st_size > 1000
+    assert (out / "report.html").read_text().count("data:image/png;base64,") == 5

@@ -1,0 +1,67 @@
+"""`fadiag demo`: train a small GPT-style model with fadiag attached and watch every step."""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+
+def _count(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
+def _positive(text: str) -> int:
+    value = _count(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
+    return value
+
+
+def _port(text: str) -> int:
+    value = _count(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {value}")
+    return value
+
+
+def add_parser(subparsers: Any) -> None:
+    p = subparsers.add_parser(
+        "demo",
+        help="train a small GPT-style model with fadiag attached and show every step",
+        description="Train a small GPT-style transformer (causal SDPA, random tokens, AdamW) with "
+                    "fadiag attached: a live table per step, /metrics served while it runs, a "
+                    "summary at the end. Ctrl-C stops after the current step (exit status 130).",
+    )
+    p.add_argument("--steps", type=_count, default=200,
+                   help="optimizer steps to train; 0 trains until Ctrl-C (default 200)")
+    p.add_argument("--port", type=_port, default=None,
+                   help="metrics port; 0 picks a free one (default: fadiag's exporter.port, 9464)")
+    p.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu",
+                   help="device to train on (default cpu)")
+    fault = p.add_mutually_exclusive_group()
+    fault.add_argument("--force-math", action="store_true",
+                       help="run SDPA on its math backend: the memory_savings flag fires")
+    fault.add_argument("--slow-backward", action="store_true",
+                       help="use a hand-written attention whose backward does needless work: "
+                            "the backward_forward_ratio flag fires")
+    p.add_argument("--seq-len", type=_positive, default=256, help="sequence length (default 256)")
+    p.add_argument("--jsonl", metavar="DIR", default=None,
+                   help="write the run log fadiag-rank0.jsonl into DIR (for fadiag report)")
+    p.set_defaults(func=run, _parser=p)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..demo import DemoConfig, device_available, run_demo
+
+    if not device_available(args.device):
+        args._parser.error(f"argument --device: {args.device} is not available on this machine")
+    cfg = DemoConfig(steps=args.steps, port=args.port, device=args.device,
+                     force_math=args.force_math, slow_backward=args.slow_backward,
+                     seq_len=args.seq_len, jsonl=args.jsonl)
+    return run_demo(cfg)

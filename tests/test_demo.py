@@ -1,0 +1,154 @@
+"""fadiag demo: it trains, serves /metrics while it runs, and each fault raises its flag."""
+
+from __future__ import annotations
+
+import io
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+import fadiag
+from fadiag.cli import main
+from fadiag.demo import DemoConfig, SlowAttention, run_demo
+from fadiag.jsonl import read_run
+
+ROOT = Path(__file__).resolve().parents[1]
+SMALL = {"seq_len": 128, "batch": 2, "dim": 64, "heads": 2, "layers": 2, "vocab": 128}
+
+
+def _demo(argv: list[str]) -> subprocess.Popen[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("FADIAG_")}
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return subprocess.Popen([sys.executable, "-m", "fadiag", "demo", *argv], cwd=ROOT, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+
+
+def _lines(proc: subprocess.Popen[str]) -> queue.Queue[str | None]:
+    q: queue.Queue[str | None] = queue.Queue()
+
+    def read() -> None:
+        for line in proc.stdout:  # type: ignore[union-attr]
+            q.put(line)
+        q.put(None)
+
+    threading.Thread(target=read, daemon=True).start()
+    return q
+
+
+def _scrape(url: str) -> dict[str, float]:
+    text = urllib.request.urlopen(url, timeout=5).read().decode()
+    return {s.name: s.value for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def test_demo_trains_the_steps_asked_and_serves_metrics_while_it_runs() -> None:
+    proc = _demo(["--steps", "8", "--port", "0"])
+    lines = _lines(proc)
+    out: list[str] = []
+    url = None
+    scraped: dict[str, float] = {}
+    try:
+        while (line := lines.get(timeout=60)) is not None:
+            out.append(line)
+            m = re.match(r"metrics: (http://\S+/metrics)", line)
+            if m:
+                url = m.group(1)
+                assert "fadiag_build_info" in _scrape(url)
+            if url and line.startswith("step") and not scraped:
+                scraped = _scrape(url)
+    finally:
+        status = proc.wait(60)
+        proc.stdout.close()  # type: ignore[union-attr]
+    assert status == 0, "".join(out)
+    assert url is not None
+    assert scraped.get("fadiag_attention_forward_seconds_count", 0) > 0
+    assert scraped.get("fadiag_steps_total", 0) >= 1
+    steps = [line for line in out if line.startswith("step")]
+    assert len(steps) == 8 and "impl cpu_flash" in steps[0]
+    assert "trained 8 steps" in "".join(out)
+
+
+def test_ctrl_c_finishes_the_step_prints_the_summary_and_exits_130() -> None:
+    proc = _demo(["--steps", "0", "--port", "0"])
+    lines = _lines(proc)
+    out: list[str] = []
+    try:
+        while (line := lines.get(timeout=60)) is not None:
+            out.append(line)
+            if line.startswith("step"):
+                proc.send_signal(signal.SIGINT)
+                break
+        while (line := lines.get(timeout=60)) is not None:
+            out.append(line)
+    finally:
+        status = proc.wait(60)
+        proc.stdout.close()  # type: ignore[union-attr]
+    assert status == 130
+    text = "".join(out)
+    assert "interrupted after" in text and "median forward" in text
+
+
+def test_plain_demo_runs_the_fused_cpu_kernel_within_the_memory_rule(tmp_path: Path) -> None:
+    out = io.StringIO()
+    assert run_demo(DemoConfig(steps=3, port=0, jsonl=str(tmp_path), live=False, **SMALL), out) == 0
+    run = read_run(tmp_path / "fadiag-rank0.jsonl")
+    assert len(run.steps) == 3
+    assert {c.impl for s in run.steps for c in s.calls} == {"cpu_flash"}
+    assert all(s.memory_savings is not None and s.memory_savings > 0.8 for s in run.steps)
+    assert not any(f.rule == "memory_savings" for f in run.flags)
+    assert fadiag.current_session() is None
+
+
+def test_force_math_raises_the_memory_savings_flag(tmp_path: Path) -> None:
+    out = io.StringIO()
+    cfg = DemoConfig(steps=3, port=0, force_math=True, jsonl=str(tmp_path), live=False, **SMALL)
+    assert run_demo(cfg, out) == 0
+    run = read_run(tmp_path / "fadiag-rank0.jsonl")
+    assert {c.impl for s in run.steps for c in s.calls} == {"math"}
+    assert any(f.rule == "memory_savings" for f in run.flags)
+    assert "memory_savings: 1" in out.getvalue()
+
+
+def test_slow_backward_raises_the_ratio_flag_for_the_instrumented_function() -> None:
+    out = io.StringIO()
+    cfg = DemoConfig(steps=4, port=0, slow_backward=True, live=False, **SMALL)
+    assert run_demo(cfg, out) == 0
+    text = out.getvalue()
+    assert "impl demo_slow" in text
+    assert "backward_forward_ratio: " in text
+    assert not getattr(SlowAttention.apply, "__wrapped_by_fadiag__", False)
+
+
+@pytest.mark.parametrize("argv, named", [
+    (["--steps", "-1"], "--steps"),
+    (["--seq-len", "0"], "--seq-len"),
+    (["--port", "70000"], "--port"),
+    (["--device", "tpu"], "--device"),
+    (["--force-math", "--slow-backward"], "--slow-backward"),
+])
+def test_bad_demo_arguments_exit_2_naming_the_argument(
+        argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", *argv])
+    assert exc.value.code == 2
+    assert f"argument {named}" in capsys.readouterr().err
+
+
+def test_a_device_this_machine_lacks_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--device", "cuda"])
+    assert exc.value.code == 2
+    assert "argument --device: cuda is not available" in capsys.readouterr().err
