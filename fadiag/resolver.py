@@ -18,8 +18,9 @@ import psutil
 from .records import CallRecord, StepReport
 from .recorder import Call, ClosedStep
 
-_POLL_S = 0.005
+_POLL_S = 0.02
 _IDLE_S = 0.25
+_TICK_S = 0.5
 _BACKWARD_GRACE_S = 5.0
 
 
@@ -48,6 +49,7 @@ class Resolver:
         self._idle.set()
         self._mem_before: dict[str, dict[str, int]] = {}
         self._process = psutil.Process()
+        self._next_tick = 0.0
         self._thread = threading.Thread(target=self._run, name="fadiag-resolver", daemon=True)
 
     def start(self) -> None:
@@ -91,7 +93,10 @@ class Resolver:
             try:
                 while self._pending and self._try_resolve(self._pending[0]):
                     self._pending.popleft()
-                self._tick()
+                now = time.monotonic()
+                if now >= self._next_tick:
+                    self._next_tick = now + _TICK_S
+                    self._tick()
             except Exception as e:
                 self._on_error("resolver", e)
                 if self._pending:
