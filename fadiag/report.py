@@ -221,7 +221,7 @@ def thresholds(run: Run) -> dict[str, float]:
         if isinstance(value, (int, float)):
             found[rule] = float(value)
     for f in run.flags or [f for s in run.steps for f in s.flags]:
-        if f.rule in found and f.site in ("", "total", "step"):
+        if f.rule in found and not f.cleared:
             found[f.rule] = f.threshold
     return found
 

@@ -12,7 +12,7 @@ import pytest
 from fadiag.cli import main
 from fadiag.jsonl import JsonlSink, read_run
 from fadiag.records import CallRecord, Flag, StepReport
-from fadiag.report import format_summary, summarize, summarize_run
+from fadiag.report import format_summary, summarize, summarize_run, thresholds
 
 ROOT = Path(__file__).resolve().parents[1]
 PNGS = ("times", "ratio", "savings", "memory", "flags")
@@ -71,6 +71,16 @@ def test_summary_of_steps_alone_counts_the_flags_they_carry() -> None:
     s = summarize([_step(1), _step(2, slow=True)])
     assert s.flags_by_rule["memory_savings"] == 1
     assert format_summary(summarize([])) == "rank 0: no resolved steps"
+
+
+def test_threshold_lines_follow_the_thresholds_the_run_flagged_with(tmp_path: Path) -> None:
+    run = read_run(write_log(tmp_path))
+    assert thresholds(run) == {"backward_forward_ratio": 3.0, "memory_savings": 0.8}
+    for f in run.flags:
+        f.threshold = 2.5 if f.rule == "backward_forward_ratio" else 0.9
+    assert thresholds(run) == {"backward_forward_ratio": 2.5, "memory_savings": 0.9}
+    assert thresholds(read_run(write_log(tmp_path / "calm", steps=1))) == {
+        "backward_forward_ratio": 3.0, "memory_savings": 0.8}
 
 
 def test_report_writes_the_five_plots_next_to_the_log(tmp_path: Path,
