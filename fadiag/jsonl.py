@@ -59,6 +59,7 @@ class JsonlSink(Sink):
             self.path.replace(self.path.with_name(f"{self.path.name}.1"))
         else:
             self.path.unlink()
+        self._open()  # the new file starts with the run line, so each file reads on its own
 
     def emit(self, report: StepReport) -> None:
         self._write({"type": "step", **_finite(report.to_dict())})

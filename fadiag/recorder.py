@@ -23,6 +23,8 @@ from .memory import standard_bytes
 from .ops import AttentionOp, CallInfo
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+_USER_FILES = (os.path.join("fadiag", "demo.py"),)
+"""fadiag's own files that are user code (the demo's model), so their call sites are named."""
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
@@ -371,7 +373,8 @@ class Recorder:
             code = frame.f_code
             flag = internal.get(code)
             if flag is None:
-                flag = internal[code] = code.co_filename.startswith(_INTERNAL_DIRS)
+                flag = internal[code] = (code.co_filename.startswith(_INTERNAL_DIRS)
+                                         and not code.co_filename.endswith(_USER_FILES))
             if not flag:
                 break
             frame = frame.f_back

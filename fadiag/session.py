@@ -97,8 +97,11 @@ class Session:
                       "device_name": self.device_name})
         sinks: list[Sink] = [self.metrics, LogSink(config.log.flag_interval_seconds)]
         if config.jsonl.path:
-            sinks.append(JsonlSink(config.jsonl.path, self.rank, self._meta(),
-                                   config.jsonl.max_bytes, config.jsonl.backups))
+            try:
+                sinks.append(JsonlSink(config.jsonl.path, self.rank, self._meta(),
+                                       config.jsonl.max_bytes, config.jsonl.backups))
+            except OSError as e:
+                self._error("jsonl", e)
         if on_flag is not None:
             sinks.append(CallbackSink(on_flag))
         self.sinks = FanOut(sinks, self._error)
@@ -257,7 +260,8 @@ class Session:
     def _error(self, where: str, exc: BaseException) -> None:
         """Count an internal error; log the first one of each place, with its traceback."""
         self.errors += 1
-        self.metrics.errors = self.errors
+        if hasattr(self, "metrics"):
+            self.metrics.errors = self.errors
         if where not in self._logged_errors:
             self._logged_errors.add(where)
             log.warning("fadiag: internal error in %s (training continues; counted in "
@@ -325,6 +329,9 @@ def attach(config: str | os.PathLike[str] | dict[str, Any] | Config | None = Non
     global _session
     with _lock:
         if _session is not None:
+            if config is not None or overrides or on_flag is not None:
+                log.warning("fadiag: already attached (e.g. by `fadiag run`); this attach()'s "
+                            "configuration is ignored — detach() first to change it")
             return _session
         cfg = load_config(config, overrides)
         session: Session = Session(cfg, on_flag) if cfg.enabled else _DisabledSession(cfg)
@@ -374,6 +381,8 @@ def instrument(fn: Any, name: str | None = None, *, layout: str = "BHSD",
     """
     reader_for_layout(layout, heads)  # validate now, with a clear error
     with _lock:
+        if any(entry[0] is fn for entry in _instrumented):
+            return fn
         _instrumented.append((fn, name, layout, heads))
         s = _session
         if s is not None and not isinstance(s, _DisabledSession):
