@@ -1,0 +1,53 @@
+"""`fadiag baseline save RUN.jsonl -o FILE` and `fadiag baseline show FILE`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .. import baseline
+from ..errors import BaselineError
+from ..jsonl import read_run
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("baseline", help="save or show a regression baseline",
+                       description="Per-site median forward/backward seconds, keyed by site, shape, "
+                                   "dtype, device and impl, for rules.regression.baseline_file.")
+    verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
+    save = verbs.add_parser("save", help="build a baseline from a run's JSONL log")
+    save.add_argument("run", help="a fadiag-rank<R>.jsonl file")
+    save.add_argument("-o", "--output", required=True, help="baseline file to write (JSON)")
+    save.add_argument("--skip", type=_non_negative, default=10,
+                      help="warm-up steps to leave out (default 10)")
+    save.add_argument("--device", help="device name to key by (default: the run's)")
+    show = verbs.add_parser("show", help="print a baseline file")
+    show.add_argument("file")
+    p.set_defaults(func=run)
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
+    return value
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        if args.verb == "save":
+            r = read_run(args.run)
+            device = args.device or str(r.meta.get("device", "cpu"))
+            b = baseline.build(r.steps, device, args.skip)
+            baseline.save(b, args.output)
+            print(f"wrote {args.output}: {len(b.entries)} sites from {b.steps} steps on {device}")
+            return 0
+        b = baseline.load(args.file)
+    except (BaselineError, OSError) as e:
+        print(f"fadiag baseline: {e}", file=sys.stderr)
+        return 1
+    print(f"device: {b.device}   steps: {b.steps}")
+    for key, e in sorted(b.entries.items()):
+        fwd, bwd = e["forward_seconds"], e["backward_seconds"]
+        print(f"{key}  fwd {fwd * 1e3:.3f} ms  bwd {bwd * 1e3:.3f} ms  ratio {bwd / fwd if fwd else 0:.2f}")
+    return 0
