@@ -191,11 +191,14 @@ TORCHRUN_SCRIPT = textwrap.dedent("""
     s.flush(10)
     dist.barrier()
     text = urllib.request.urlopen(f"http://127.0.0.1:{{s.port}}/metrics").read().decode()
-    print("RANK", dist.get_rank(), "PORT", s.port, "STEPS",
-          [l for l in text.splitlines() if l.startswith("fadiag_steps_total")][0], flush=True)
+    lines = ["RANK %d PORT %d STEPS %s" % (dist.get_rank(), s.port,
+             [l for l in text.splitlines() if l.startswith("fadiag_steps_total")][0])]
     if dist.get_rank() == 0:
         other = urllib.request.urlopen(f"http://127.0.0.1:{port_1}/metrics").read().decode()
-        print("OTHER", [l for l in other.splitlines() if l.startswith("fadiag_steps_total")][0])
+        lines.append("OTHER " + [l for l in other.splitlines()
+                                 if l.startswith("fadiag_steps_total")][0])
+    with open({out!r} + str(dist.get_rank()), "w") as f:
+        f.write(chr(10).join(lines))
     dist.barrier()
     dist.destroy_process_group()
 """)
@@ -221,12 +224,14 @@ def test_torchrun_two_ranks_serve_two_endpoints_with_their_rank(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     port = _free_port_pair()
     script = tmp_path / "ddp.py"
-    script.write_text(TORCHRUN_SCRIPT.format(root=root, port=port, port_1=port + 1))
+    script.write_text(TORCHRUN_SCRIPT.format(root=root, port=port, port_1=port + 1,
+                                             out=str(tmp_path / "rank")))
     out = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
          "--master-port", str(_free_port_pair()), str(script)],
         capture_output=True, text=True, timeout=240, cwd=root)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    out.stdout = (tmp_path / "rank0").read_text() + "\n" + (tmp_path / "rank1").read_text()
     assert f'RANK 0 PORT {port} STEPS fadiag_steps_total{{rank="0"}} 3.0' in out.stdout
     assert f'RANK 1 PORT {port + 1} STEPS fadiag_steps_total{{rank="1"}} 3.0' in out.stdout
     assert 'OTHER fadiag_steps_total{rank="1"} 3.0' in out.stdout
