@@ -27,6 +27,7 @@ import time
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any, TypeVar
@@ -177,7 +178,12 @@ T = TypeVar("T")
 
 
 def wait_for(
-    check: Callable[[], T], *, timeout: float, what: str, interval: float = 0.5, diagnose: Callable[[], str] | None = None
+    check: Callable[[], T | None],
+    *,
+    timeout: float,
+    what: str,
+    interval: float = 0.5,
+    diagnose: Callable[[], str] | None = None,
 ) -> T:
     """Call check() until it returns something truthy; AssertionError after timeout."""
     deadline = time.monotonic() + timeout
@@ -294,6 +300,7 @@ class PromStack:
     ) -> None:
         if not (PROMETHEUS and ALERTMANAGER):
             raise RuntimeError("prometheus and prometheus-alertmanager must be installed")
+        self.binaries = {"prometheus": PROMETHEUS, "alertmanager": ALERTMANAGER}
         self.scrape = {job: list(targets) for job, targets in scrape.items()}
         self.rules = rules
         self.alertmanager_config = alertmanager_config
@@ -344,7 +351,7 @@ class PromStack:
         self._spawn(
             "alertmanager",
             [
-                ALERTMANAGER,
+                self.binaries["alertmanager"],
                 f"--config.file={am_yml}",
                 f"--storage.path={work / 'am-data'}",
                 f"--web.listen-address=127.0.0.1:{am_port}",
@@ -355,7 +362,7 @@ class PromStack:
         self._spawn(
             "prometheus",
             [
-                PROMETHEUS,
+                self.binaries["prometheus"],
                 f"--config.file={prom_yml}",
                 f"--storage.tsdb.path={work / 'prom-data'}",
                 f"--web.listen-address=127.0.0.1:{prom_port}",
@@ -363,7 +370,7 @@ class PromStack:
             work,
         )
         for url in (self.alertmanager_url, self.prometheus_url):
-            wait_for(lambda u=url: self._ready(u), timeout=30, what=f"{url}/-/ready", diagnose=self.logs)
+            wait_for(partial(self._ready, url), timeout=30, what=f"{url}/-/ready", diagnose=self.logs)
 
     def _spawn(self, name: str, argv: list[str], work: Path) -> None:
         log = work / f"{name}.log"
@@ -469,7 +476,7 @@ class PromStack:
     def am_alerts(self) -> list[dict]:
         return list(get_json(f"{self.alertmanager_url}/api/v2/alerts"))
 
-    def wait_for(self, check: Callable[[], T], *, timeout: float = 40, what: str = "a condition") -> T:
+    def wait_for(self, check: Callable[[], T | None], *, timeout: float = 40, what: str = "a condition") -> T:
         def diagnose() -> str:
             try:
                 state = json.dumps(self.alerts(), indent=1)[:3000]

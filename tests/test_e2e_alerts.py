@@ -24,6 +24,7 @@ import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -71,11 +72,21 @@ NOT_ON_CPU = {"fadiag_attention_peak_bytes"}
 BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1,
            0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
+@dataclass(frozen=True)
+class Profile:
+    impl: str
+    savings: float
+    fwd: float
+    bwd: float
+    kept: int
+    flagged: tuple[str, ...]
+
+
 PROFILES = {
     # SDPA fell back to the math path: it keeps the [B, H, S, S] matrices.
-    MATH: dict(impl="math", savings=0.3, fwd=0.010, bwd=0.020, kept=3_119_513, flagged=("memory_savings",)),
+    MATH: Profile(impl="math", savings=0.3, fwd=0.010, bwd=0.020, kept=3_119_513, flagged=("memory_savings",)),
     # The CPU flash kernel at S=256, D=32.
-    CLEAN: dict(impl="cpu_flash", savings=0.94, fwd=0.001, bwd=0.0022, kept=270_336, flagged=()),
+    CLEAN: Profile(impl="cpu_flash", savings=0.94, fwd=0.001, bwd=0.0022, kept=270_336, flagged=()),
 }
 STANDARD_BYTES = 4_456_448
 SITES = ("model.layers.0.attn", "model.layers.1.attn")
@@ -92,7 +103,7 @@ class Histogram:
 
     def buckets(self) -> list[tuple[str, float]]:
         out, acc = [], 0
-        for bound, n in zip(BUCKETS, self.counts[:-1]):
+        for bound, n in zip(BUCKETS, self.counts[:-1], strict=True):
             acc += n
             out.append((repr(bound), float(acc)))
         return [*out, ("+Inf", float(acc + self.counts[-1]))]
@@ -122,10 +133,10 @@ class StandInExporter:
         while not self._stop.wait(0.1):
             with self._lock:
                 self.steps += 1
-                self.step_hist.observe(self.p["fwd"] + self.p["bwd"])
+                self.step_hist.observe(self.p.fwd + self.p.bwd)
                 for s in SITES:
-                    self.fwd[s].observe(self.p["fwd"] / len(SITES))
-                    self.bwd[s].observe(self.p["bwd"] / len(SITES))
+                    self.fwd[s].observe(self.p.fwd / len(SITES))
+                    self.bwd[s].observe(self.p.bwd / len(SITES))
                 self.last_step = time.time()
 
     def close(self) -> None:
@@ -146,22 +157,22 @@ class StandInExporter:
         for name, data in (("fadiag_attention_forward_seconds", fwd), ("fadiag_attention_backward_seconds", bwd)):
             h = HistogramMetricFamily(name, "Per call.", labels=["rank", "impl", "site"])
             for site, (buckets, total) in data.items():
-                h.add_metric([rank, p["impl"], site], buckets, total)
+                h.add_metric([rank, p.impl, site], buckets, total)
             yield h
         h = HistogramMetricFamily("fadiag_step_attention_seconds", "Per step.", labels=["rank"])
         h.add_metric([rank], *step)
         yield h
 
         gauges = {
-            "fadiag_step_attention_forward_seconds": p["fwd"],
-            "fadiag_step_attention_backward_seconds": p["bwd"],
-            "fadiag_attention_backward_forward_ratio": p["bwd"] / p["fwd"],
-            "fadiag_attention_memory_savings_ratio": p["savings"],
-            "fadiag_attention_kept_bytes": p["kept"],
+            "fadiag_step_attention_forward_seconds": p.fwd,
+            "fadiag_step_attention_backward_seconds": p.bwd,
+            "fadiag_attention_backward_forward_ratio": p.bwd / p.fwd,
+            "fadiag_attention_memory_savings_ratio": p.savings,
+            "fadiag_attention_kept_bytes": p.kept,
             "fadiag_attention_standard_bytes": STANDARD_BYTES,
-            "fadiag_attention_peak_bytes": 2 * p["kept"],
+            "fadiag_attention_peak_bytes": 2 * p.kept,
             "fadiag_step_peak_memory_bytes": 340_000_000,
-            "fadiag_attention_baseline_seconds": p["fwd"] + p["bwd"],
+            "fadiag_attention_baseline_seconds": p.fwd + p.bwd,
             "fadiag_attention_oldest_inflight_seconds": 0.0,
             "fadiag_last_step_timestamp_seconds": last_step,
         }
@@ -169,21 +180,22 @@ class StandInExporter:
             g = GaugeMetricFamily(name, "Stand-in.", labels=["rank"])
             g.add_metric([rank], value)
             yield g
-        for name, labels, values in [
+        counters: list[tuple[str, list[str], dict[tuple[str, ...], int]]] = [
             ("fadiag_steps", ["rank"], {(rank,): steps}),
-            ("fadiag_attention_calls", ["rank", "impl"], {(rank, p["impl"]): steps * len(SITES)}),
+            ("fadiag_attention_calls", ["rank", "impl"], {(rank, p.impl): steps * len(SITES)}),
             ("fadiag_attention_uninstrumented_calls", ["rank", "reason"], {(rank, "compiled"): 0}),
             ("fadiag_internal_errors", ["rank"], {(rank,): 0}),
             # One flag episode every 5 s on the flagged rules: the memory rule keeps re-firing.
-            ("fadiag_flags", ["rank", "rule"], {(rank, r): steps // 50 if r in p["flagged"] else 0 for r in FLAG_RULES}),
-        ]:
+            ("fadiag_flags", ["rank", "rule"], {(rank, r): steps // 50 if r in p.flagged else 0 for r in FLAG_RULES}),
+        ]
+        for name, labels, values in counters:
             c = CounterMetricFamily(name, "Stand-in.", labels=labels)
             for label_values, v in values.items():
                 c.add_metric(list(label_values), v)
             yield c
         g = GaugeMetricFamily("fadiag_flag_active", "Stand-in.", labels=["rank", "rule"])
         for r in FLAG_RULES:
-            g.add_metric([rank, r], 1.0 if r in p["flagged"] else 0.0)
+            g.add_metric([rank, r], 1.0 if r in p.flagged else 0.0)
         yield g
         g = GaugeMetricFamily("fadiag_build_info", "Stand-in.", labels=["version", "torch", "device"])
         g.add_metric(["0.0.0", "0.0.0", "cpu"], 1)
