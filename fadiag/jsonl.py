@@ -32,7 +32,12 @@ class JsonlSink(Sink):
     def _open(self) -> None:
         self._file = open(self.path, "a", encoding="utf-8")  # noqa: SIM115 - lives as long as the sink
         if self._file.tell() == 0:
-            self._write_line(self._meta)
+            try:
+                self._write_line(self._meta)
+            except OSError:
+                self._file.close()
+                self._file = None
+                raise
 
     def _write_line(self, obj: dict[str, Any]) -> None:
         assert self._file is not None

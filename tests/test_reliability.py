@@ -1,0 +1,231 @@
+"""fadiag never hurts training: faults inside it are counted and logged once, long runs stay flat."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import psutil
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.optim.optimizer import _global_optimizer_post_hooks
+
+import fadiag
+from fadiag import jsonl, ops, recorder, rules
+from fadiag.cli import main
+from tests.models import GPT, train
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_model(steps=3, **attach):
+    torch.manual_seed(0)
+    model = GPT(layers=2)
+    if attach is not None:
+        pass
+    losses = train(model, steps=steps)
+    return losses, [p.detach().clone() for p in model.parameters()]
+
+
+def _fault(monkeypatch, case, tmp_path):
+    """Install one fault; returns attach() overrides for it."""
+    if case == "interceptor":
+        def bad_read(args, kwargs):
+            raise RuntimeError("reader bug")
+        sdpa = ops.OPS[0]
+        monkeypatch.setattr(sdpa, "read", bad_read) if False else object.__setattr__(sdpa, "read", bad_read)
+    elif case == "backward_hook":
+        def bad_hook(self, *a):
+            raise RuntimeError("hook bug")
+        monkeypatch.setattr(recorder.Recorder, "_hook_backward", bad_hook)
+    elif case == "rule":
+        def bad_rule(self, report):
+            raise RuntimeError("rule bug")
+        monkeypatch.setattr(rules.Rules, "evaluate", bad_rule)
+    elif case == "sink_disk_full":
+        def full(self, obj):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        monkeypatch.setattr(jsonl.JsonlSink, "_write_line", full)
+        return {"jsonl": str(tmp_path)}
+    elif case in ("nan_timing", "negative_timing", "inf_timing"):
+        value = {"nan_timing": float("nan"), "negative_timing": -1.0, "inf_timing": float("inf")}[case]
+        monkeypatch.setattr(fadiag.device.CpuTimer, "elapsed", staticmethod(lambda a, b: value))
+    elif case == "missing_timing":
+        monkeypatch.setattr(fadiag.device.CpuTimer, "mark", lambda self: None)
+        monkeypatch.setattr(fadiag.device.CpuTimer, "elapsed", staticmethod(lambda a, b: a - b))
+    return {}
+
+
+FAULTS = ["interceptor", "backward_hook", "rule", "sink_disk_full", "nan_timing",
+          "negative_timing", "inf_timing", "missing_timing"]
+
+
+@pytest.mark.parametrize("case", FAULTS)
+def test_a_fault_inside_fadiag_leaves_training_bit_identical(case, monkeypatch, tmp_path, caplog):
+    plain = run_model(steps=4)
+    original_read = ops.OPS[0].read
+    try:
+        overrides = _fault(monkeypatch, case, tmp_path)
+        with caplog.at_level(logging.WARNING, logger="fadiag"):
+            s = fadiag.attach(port=0, **overrides)
+            losses, params = run_model(steps=4)
+            s.flush(10)
+    finally:
+        object.__setattr__(ops.OPS[0], "read", original_read)
+    assert losses == plain[0]
+    assert all(torch.equal(a, b) for a, b in zip(params, plain[1]))
+    internal = [r for r in caplog.records if "internal error" in r.message]
+    if case in ("nan_timing", "negative_timing", "inf_timing"):
+        # bad timings are not errors: they are recorded as 0 and never reach a metric as NaN
+        assert s.errors == 0
+        assert all(c.forward_seconds == 0.0 for r in s.history() for c in r.calls)
+        return
+    assert s.errors >= 1
+    assert len(internal) == 1  # logged once, not once per step
+    text = urllib.request.urlopen(f"http://127.0.0.1:{s.port}/metrics").read().decode()
+    count = float(re.search(r'^fadiag_internal_errors_total\{rank="0"\} (\S+)$', text, re.M)[1])
+    assert count == s.errors
+
+
+def test_thousand_attach_detach_cycles_leak_nothing():
+    proc = psutil.Process()
+    sdpa = F.scaled_dot_product_attention
+    hooks = len(_global_optimizer_post_hooks)
+    for _ in range(20):  # warm-up: imports, first server
+        fadiag.attach(port=0)
+        fadiag.detach()
+    threads, fds, rss = threading.active_count(), proc.num_fds(), proc.memory_info().rss
+    for i in range(1000):
+        # prometheus_client's server polls for shutdown every 0.5 s, so most cycles run without
+        # it; every 50th cycle starts and stops a real endpoint.
+        s = fadiag.attach(port=0, **{"exporter.enabled": i % 50 == 0})
+        if i % 100 == 0:
+            q = torch.randn(1, 1, 8, 4, requires_grad=True)
+            F.scaled_dot_product_attention(q, q, q).sum().backward()
+            fadiag.step()
+            assert s.flush(10)
+        fadiag.detach()
+        assert F.scaled_dot_product_attention is sdpa
+    time.sleep(0.2)
+    assert threading.active_count() == threads
+    assert proc.num_fds() == fds
+    assert len(_global_optimizer_post_hooks) == hooks
+    assert proc.memory_info().rss - rss < 20 << 20
+
+
+def test_hundred_thousand_steps_keep_memory_threads_and_files_flat():
+    proc = psutil.Process()
+    s = fadiag.attach(port=0)
+    q = torch.randn(1, 1, 4, 4, requires_grad=True)
+
+    def steps(n):
+        for _ in range(n):
+            F.scaled_dot_product_attention(q, q, q).sum().backward()
+            fadiag.step()
+
+    steps(10_000)
+    assert s.flush(30)
+    rss, threads, fds = proc.memory_info().rss, threading.active_count(), proc.num_fds()
+    steps(90_000)
+    assert s.flush(60)
+    assert s.last_step().step == 100_000
+    assert len(s.history()) == s.config.steps.history
+    assert proc.memory_info().rss - rss < 10 << 20
+    assert threading.active_count() == threads and proc.num_fds() == fds
+    assert len(s.recorder.signatures) == 1 and s.errors == 0
+
+
+RANK_SCRIPT = textwrap.dedent("""
+    import sys, time
+    sys.path.insert(0, {root!r})
+    import fadiag
+    from tests.models import GPT, train
+    s = fadiag.attach(port={port})
+    model = GPT(layers=1)
+    print("ready", s.port, flush=True)
+    while True:
+        train(model, steps=1)
+        time.sleep(0.05)
+""")
+
+
+def test_a_killed_rank_does_not_stop_the_other_from_exporting(tmp_path):
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        base = sock.getsockname()[1]
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT.format(root=str(ROOT), port=base))
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL))
+    try:
+        ports = [int(p.stdout.readline().split()[1]) for p in procs]
+        procs[1].send_signal(signal.SIGKILL)
+        procs[1].wait(10)
+
+        def steps_total():
+            text = urllib.request.urlopen(f"http://127.0.0.1:{ports[0]}/metrics", timeout=5).read()
+            return float(re.search(rb'^fadiag_steps_total\{rank="0"\} (\S+)$', text, re.M)[1])
+
+        first = steps_total()
+        deadline = time.monotonic() + 20
+        while steps_total() <= first and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert steps_total() > first
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait(10)
+            p.stdout.close()
+
+
+SOURCES = sorted((ROOT / "fadiag").rglob("*.py"))
+
+
+@pytest.mark.parametrize("pattern", [r"\byaml\.load\(", r"\bpickle\b", r"(?<![\w.])eval\(",
+                                     r"(?<![\w.])exec\(", r"yaml\.unsafe_load", r"yaml\.Loader\b"])
+def test_no_unsafe_loading_of_user_input(pattern):
+    hits = [f"{p.relative_to(ROOT)}:{i}" for p in SOURCES
+            for i, line in enumerate(p.read_text().splitlines(), 1) if re.search(pattern, line)]
+    assert hits == []
+
+
+@pytest.mark.parametrize("argv, name", [
+    (["demo", "--steps", "-1"], "--steps"),
+    (["demo", "--device", "tpu"], "--device"),
+    (["bench", "--seq-lens", "12x"], "--seq-lens"),
+    (["bench", "--backends", "warp"], "--backends"),
+    (["estimate", "--seq-len", "0", "--heads", "8", "--head-dim", "64", "--layers", "2"], "--seq-len"),
+    (["estimate", "--seq-len", "8", "--heads", "8", "--head-dim", "64"], "--layers"),
+    (["baseline", "save", "run.jsonl", "-o", "b.json", "--skip", "-3"], "--skip"),
+    (["report"], "run"),
+    (["nonsense"], "nonsense"),
+])
+def test_bad_cli_arguments_exit_2_and_name_the_argument(argv, name, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 2
+    assert name in capsys.readouterr().err
+
+
+def test_metrics_endpoint_binds_to_loopback_by_default():
+    s = fadiag.attach(port=0)
+    assert s.config.exporter.addr == "127.0.0.1"
+    conns = [c for c in psutil.Process().net_connections(kind="tcp")
+             if c.status == psutil.CONN_LISTEN and c.laddr.port == s.port]
+    assert [c.laddr.ip for c in conns] == ["127.0.0.1"]
