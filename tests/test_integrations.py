@@ -95,6 +95,13 @@ def test_metrics_report_each_new_step_once_with_flags_by_rule(fake_fadiag: dict[
     assert run.metrics() == {}
 
 
+def _forget_built_class(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType) -> None:
+    """Drop the class the module built and cached, now and again after the test, so a class
+    built on a fake framework never outlives the fake."""
+    monkeypatch.setattr(module, "FadiagCallback", None, raising=False)
+    monkeypatch.delattr(module, "FadiagCallback")
+
+
 def _fake_transformers(monkeypatch: pytest.MonkeyPatch) -> type:
     module = types.ModuleType("transformers")
 
@@ -105,7 +112,7 @@ def _fake_transformers(monkeypatch: pytest.MonkeyPatch) -> type:
     monkeypatch.setitem(sys.modules, "transformers", module)
     import fadiag.integrations.hf as hf
 
-    monkeypatch.delitem(hf.__dict__, "FadiagCallback", raising=False)
+    _forget_built_class(monkeypatch, hf)
     return TrainerCallback
 
 
@@ -132,7 +139,7 @@ def test_hf_callback_without_transformers_says_how_to_install(
     monkeypatch.setitem(sys.modules, "transformers", None)
     import fadiag.integrations.hf as hf
 
-    monkeypatch.delitem(hf.__dict__, "FadiagCallback", raising=False)
+    _forget_built_class(monkeypatch, hf)
     with pytest.raises(ImportError, match="pip install transformers"):
         hf.FadiagCallback  # noqa: B018
 
@@ -152,7 +159,7 @@ def test_lightning_callback_logs_through_the_module_and_detaches(
     monkeypatch.setitem(sys.modules, package, module)
     import fadiag.integrations.lightning as lt
 
-    monkeypatch.delitem(lt.__dict__, "FadiagCallback", raising=False)
+    _forget_built_class(monkeypatch, lt)
     cb = lt.FadiagCallback()
     assert isinstance(cb, Callback)
     logged: list[dict[str, float]] = []
@@ -185,8 +192,11 @@ def test_a_run_with_the_real_session_reports_measured_steps() -> None:
     assert figures["fadiag/forward_ms"] > 0 and figures["fadiag/backward_ms"] > 0
 
 
-def test_hf_callback_is_a_real_trainer_callback() -> None:
+def test_hf_callback_is_a_real_trainer_callback(monkeypatch: pytest.MonkeyPatch) -> None:
     transformers = pytest.importorskip("transformers")
+    import fadiag.integrations.hf as hf
+
+    _forget_built_class(monkeypatch, hf)
     from fadiag.integrations.hf import FadiagCallback
 
     assert issubclass(FadiagCallback, transformers.TrainerCallback)
