@@ -213,7 +213,7 @@ def test_no_unsafe_loading_of_user_input(pattern):
     (["estimate", "--seq-len", "0", "--heads", "8", "--head-dim", "64", "--layers", "2"], "--seq-len"),
     (["estimate", "--seq-len", "8", "--heads", "8", "--head-dim", "64"], "--layers"),
     (["baseline", "save", "run.jsonl", "-o", "b.json", "--skip", "-3"], "--skip"),
-    (["report"], "run"),
+    (["report"], "RUN"),
     (["nonsense"], "nonsense"),
 ])
 def test_bad_cli_arguments_exit_2_and_name_the_argument(argv, name, capsys):
