@@ -1,0 +1,116 @@
+"""The Ascend path, driven by the fake torch_npu in fadiag.testing (no Ascend hardware here).
+
+The fake keeps torch_npu's real signature and return tuple, names its backward node
+NpuFusionAttentionBackward0, and its events refuse `elapsed_time` before `query()` was True —
+which is what would synchronise a real NPU.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import fadiag
+from fadiag.testing import FakeNpuEvent, fake_npu
+
+
+@pytest.fixture
+def torch_npu():
+    with fake_npu(lag=0.002) as module:
+        yield module
+
+
+def train_npu(torch_npu, layout, steps=3, **kwargs):
+    b, s, n, d = 2, 64, 4, 16
+    shapes = {"BSND": (b, s, n, d), "BNSD": (b, n, s, d), "BSH": (b, s, n * d), "SBH": (s, b, n * d)}
+    q, k, v = (torch.randn(*shapes[layout], requires_grad=True) for _ in range(3))
+    for _ in range(steps):
+        out = torch_npu.npu_fusion_attention(q, k, v, n, layout, scale=d ** -0.5, **kwargs)[0]
+        out.sum().backward()
+        fadiag.step()
+    return out
+
+
+@pytest.mark.parametrize("layout", ["BSND", "BNSD", "BSH", "SBH"])
+def test_npu_fusion_attention_is_measured_in_every_layout(torch_npu, layout):
+    s = fadiag.attach(device="npu", port=0)
+    out = train_npu(torch_npu, layout, sparse_mode=2)
+    assert type(out.grad_fn).__name__ != ""  # the op's output has a graph
+    assert s.flush(10)
+    call = s.last_step().calls[0]
+    assert call.impl == "npu_fusion" and call.device == "npu" and call.layout == layout
+    assert call.shape == (2, 4, 64, 64, 16) and call.causal
+    assert call.forward_seconds > 0 and call.backward_seconds > 0
+    # kept: O plus fp32 softmax_max and softmax_sum [B, N, S, 8] (+ the causal mask it built)
+    stats = 2 * (2 * 4 * 64 * 8 * 4)
+    assert call.kept_bytes >= 2 * 4 * 64 * 16 * 4 + stats
+    assert s.errors == 0
+
+
+def test_the_fused_backward_node_is_named_as_on_ascend(torch_npu):
+    q = torch.randn(1, 8, 2, 4, requires_grad=True)
+    out = torch_npu.npu_fusion_attention(q, q, q, 2, "BSND")[0]
+    names = {type(fn).__name__ for fn, _ in out.grad_fn.next_functions if fn is not None}
+    assert "NpuFusionAttentionBackward0" in names | {type(out.grad_fn).__name__}
+
+
+def test_events_are_resolved_only_after_query_says_done(torch_npu):
+    FakeNpuEvent.lag = 0.2  # the "device" is 200 ms behind the host
+    s = fadiag.attach(device="npu", port=0)
+    train_npu(torch_npu, "BSND", steps=2)
+    assert s.last_step() is None or s.last_step().step < 2  # not resolved before the device finished
+    assert s.flush(10)
+    assert s.last_step().step == 2 and s.errors == 0
+
+
+def test_fake_event_rejects_an_early_elapsed_time(torch_npu):
+    FakeNpuEvent.lag = 10.0
+    a, b = torch.npu.Event(enable_timing=True), torch.npu.Event(enable_timing=True)
+    a.record()
+    b.record()
+    with pytest.raises(RuntimeError, match="synchronise"):
+        a.elapsed_time(b)
+
+
+def test_npu_device_seam_reports_the_device_name(torch_npu):
+    s = fadiag.attach(device="npu", port=0)
+    train_npu(torch_npu, "BSND", steps=1)
+    assert s.flush(10)
+    assert s.devices.name() == "Ascend910B (fake)"
+
+
+def test_npu_training_is_bit_identical_with_fadiag(torch_npu):
+    def run():
+        torch.manual_seed(0)
+        q = torch.randn(2, 32, 4, 16, requires_grad=True)
+        losses = []
+        for _ in range(3):
+            out = torch_npu.npu_fusion_attention(q, q, q, 4, "BSND", sparse_mode=2)[0]
+            loss = out.square().mean()
+            loss.backward()
+            losses.append(loss.item())
+        return losses, q.grad.clone()
+
+    plain = run()
+    fadiag.attach(device="npu", port=0)
+    losses, grad = run()
+    assert losses == plain[0] and torch.equal(grad, plain[1])
+
+
+def test_tnd_layout_reads_batch_and_longest_sequence_from_cumulative_lengths():
+    from fadiag.ops import read_npu_fusion
+
+    q = torch.randn(10, 4, 16)  # T=10 tokens: sequences of 3 and 7
+    k = v = torch.randn(10, 2, 16)
+    info = read_npu_fusion((q, k, v, 4, "TND"), {"actual_seq_qlen": [3, 10],
+                                                 "actual_seq_kvlen": [3, 10], "sparse_mode": 3})
+    assert info.shape == (2, 4, 7, 7, 16) and info.kv_heads == 2 and info.causal
+
+
+def test_flash_attn_varlen_reads_batch_from_cu_seqlens():
+    from fadiag.ops import read_flash_attn_varlen
+
+    q = torch.randn(10, 4, 16)
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    info = read_flash_attn_varlen((q, q, q, cu, cu, 7, 7), {"causal": True})
+    assert info.shape == (2, 4, 7, 7, 16) and info.causal and info.layout == "TND"
