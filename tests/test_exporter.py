@@ -259,3 +259,20 @@ def test_scrapes_during_step_resolution_stay_consistent():
         t.join()
     assert errors == [] and s.errors == 0
     assert json.dumps(s.last_step().to_dict())
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl not installed")
+def test_metrics_are_served_over_tls_when_configured(tmp_path):
+    import ssl
+
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True)
+    s = fadiag.attach(port=0, **{"exporter.certfile": str(cert), "exporter.keyfile": str(key)})
+    ctx = ssl.create_default_context(cafile=str(cert))
+    ctx.check_hostname = False
+    with urllib.request.urlopen(f"https://127.0.0.1:{s.port}/metrics", context=ctx, timeout=10) as r:
+        assert b"fadiag_build_info" in r.read()
+    with pytest.raises(Exception):
+        urllib.request.urlopen(f"http://127.0.0.1:{s.port}/metrics", timeout=5).read()
