@@ -47,7 +47,7 @@ class _Histogram:
 
     def buckets(self) -> list[tuple[str, float]]:
         out, acc = [], 0
-        for bound, n in zip(BUCKETS, self.counts):
+        for bound, n in zip(BUCKETS, self.counts, strict=False):
             acc += n
             out.append((repr(bound), float(acc)))
         out.append(("+Inf", float(acc + self.counts[-1])))

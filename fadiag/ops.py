@@ -149,8 +149,8 @@ def read_npu_fusion(args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallInfo:
         lens_q = list(kwargs.get("actual_seq_qlen") or [q.shape[0]])
         lens_k = list(kwargs.get("actual_seq_kvlen") or [k.shape[0]])
         b, h, d = len(lens_q), q.shape[1], q.shape[2]
-        sq = max(e - s for s, e in zip([0] + lens_q[:-1], lens_q))
-        sk = max(e - s for s, e in zip([0] + lens_k[:-1], lens_k))
+        sq = max(e - s for s, e in zip([0] + lens_q[:-1], lens_q, strict=True))
+        sk = max(e - s for s, e in zip([0] + lens_k[:-1], lens_k, strict=True))
         kvh, dv = k.shape[1], v.shape[2]
     else:
         raise ValueError(f"unknown input_layout {layout!r}")

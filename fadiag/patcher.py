@@ -6,6 +6,7 @@ scaled_dot_product_attention``), so those call sites are measured too.
 
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Any
 
@@ -59,10 +60,8 @@ class Patcher:
             if own:
                 setattr(owner, attr, original)
             else:
-                try:
+                with contextlib.suppress(AttributeError):
                     delattr(owner, attr)
-                except AttributeError:
-                    pass
 
     def __len__(self) -> int:
         return len(self._patches) + len(self._items)

@@ -18,7 +18,7 @@ from typing import Any
 
 from .config import MemoryRuleConfig, RatioRuleConfig
 from .jsonl import Run
-from .records import Flag, StepReport
+from .records import Flag, StepReport, ratio
 
 RULES = ("backward_forward_ratio", "memory_savings", "regression", "hang")
 
@@ -41,9 +41,7 @@ class SiteRow:
 
     @property
     def ratio(self) -> float | None:
-        if self.forward_seconds <= 0 or self.backward_seconds <= 0:
-            return None
-        return self.backward_seconds / self.forward_seconds
+        return ratio(self.backward_seconds, self.forward_seconds)
 
     @property
     def memory_savings(self) -> float | None:

@@ -15,8 +15,8 @@ from typing import Any
 
 import psutil
 
-from .records import CallRecord, StepReport
 from .recorder import Call, ClosedStep
+from .records import CallRecord, StepReport
 
 _POLL_S = 0.02
 _IDLE_S = 0.25
@@ -190,13 +190,10 @@ class Resolver:
         for c in calls:
             if c.aborted:
                 continue
-            if c.fwd1 is None or (c.bwd0 is not None and c.bwd1 is None):
-                age = now_ns - c.host_ns
-            elif not c.timer.done(c.fwd1) or (c.bwd1 is not None and not c.timer.done(c.bwd1)):
-                age = now_ns - c.host_ns
-            else:
-                continue
-            oldest = max(oldest, age)
+            host_busy = c.fwd1 is None or (c.bwd0 is not None and c.bwd1 is None)
+            if host_busy or not c.timer.done(c.fwd1) or (c.bwd1 is not None
+                                                         and not c.timer.done(c.bwd1)):
+                oldest = max(oldest, now_ns - c.host_ns)
         self.oldest_inflight_seconds = oldest * 1e-9
         self._on_tick(self.oldest_inflight_seconds)
 

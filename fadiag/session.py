@@ -27,8 +27,8 @@ from .exporter import Metrics, Server
 from .jsonl import JsonlSink
 from .ops import OPS, AttentionOp, reader_for_layout, resolve_target
 from .patcher import Patcher
-from .records import Flag, StepReport
 from .recorder import ClosedStep, Recorder
+from .records import Flag, StepReport
 from .resolver import Resolver
 from .rules import Rules
 from .sinks import CallbackSink, FanOut, Sink

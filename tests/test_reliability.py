@@ -84,7 +84,7 @@ def test_a_fault_inside_fadiag_leaves_training_bit_identical(case, monkeypatch, 
     finally:
         object.__setattr__(ops.OPS[0], "read", original_read)
     assert losses == plain[0]
-    assert all(torch.equal(a, b) for a, b in zip(params, plain[1]))
+    assert all(torch.equal(a, b) for a, b in zip(params, plain[1], strict=True))
     internal = [r for r in caplog.records if "internal error" in r.message]
     if case in ("nan_timing", "negative_timing", "inf_timing"):
         # bad timings are not errors: they are recorded as 0 and never reach a metric as NaN

@@ -159,7 +159,7 @@ def test_training_is_bit_identical_with_and_without_fadiag(mode):
     s = attach()
     losses, params = run()
     assert losses == plain_losses
-    assert all(torch.equal(a, b) for a, b in zip(params, plain_params))
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params, strict=True))
     r = resolved(s)
     if mode is None:
         assert not any(c.recompute for c in r.calls)

@@ -8,6 +8,7 @@ import sys
 from .. import baseline
 from ..errors import BaselineError
 from ..jsonl import read_run
+from . import _args
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -18,7 +19,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     save = verbs.add_parser("save", help="build a baseline from a run's JSONL log")
     save.add_argument("run", help="a fadiag-rank<R>.jsonl file")
     save.add_argument("-o", "--output", required=True, help="baseline file to write (JSON)")
-    save.add_argument("--skip", type=_non_negative, default=10,
+    save.add_argument("--skip", type=_args.integer(0), default=10,
                       help="warm-up steps to leave out (default 10)")
     save.add_argument("--device", help="device name to key by (default: the run's)")
     show = verbs.add_parser("show", help="print a baseline file")
@@ -26,11 +27,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
 
 
 def run(args: argparse.Namespace) -> int:

@@ -20,6 +20,7 @@ from rich.table import Table
 
 from .. import bench
 from ..estimate import human_bytes
+from . import _args
 
 GPU_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 CPU_SEQ_LENS = (128, 256, 512, 1024)
@@ -49,17 +50,6 @@ def backend_list(text: str) -> tuple[str, ...]:
     return names
 
 
-def _count(minimum: int) -> Any:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            value = minimum - 1
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {minimum}, got {text!r}")
-        return value
-
-    return parse
 
 
 def _fraction(text: str) -> float:
@@ -93,12 +83,12 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "cpu_flash,math; npu npu_fusion,math (default: all of the device's)")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
                    help="default float16 on GPU/NPU, float32 on CPU")
-    p.add_argument("--batch", type=_count(1), default=1)
-    p.add_argument("--heads", type=_count(1), default=32)
-    p.add_argument("--head-dim", type=_count(1), default=128)
+    p.add_argument("--batch", type=_args.integer(1), default=1)
+    p.add_argument("--heads", type=_args.integer(1), default=32)
+    p.add_argument("--head-dim", type=_args.integer(1), default=128)
     p.add_argument("--causal", action="store_true", help="causal masking (FLOPs halved)")
-    p.add_argument("--iters", type=_count(1), default=20, help="timed iterations (median)")
-    p.add_argument("--warmup", type=_count(0), default=5)
+    p.add_argument("--iters", type=_args.integer(1), default=20, help="timed iterations (median)")
+    p.add_argument("--warmup", type=_args.integer(0), default=5)
     p.add_argument("--mha", action="store_true",
                    help="also time nn.MultiheadAttention need_weights=False vs True (fwd+bwd)")
     p.add_argument("--memory-fraction", type=_fraction, default=0.9,

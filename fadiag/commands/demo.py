@@ -5,29 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-
-def _count(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = _count(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _count(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {value}")
-    return value
+from . import _args
 
 
 def add_parser(subparsers: Any) -> None:
@@ -38,9 +16,9 @@ def add_parser(subparsers: Any) -> None:
                     "fadiag attached: a live table per step, /metrics served while it runs, a "
                     "summary at the end. Ctrl-C stops after the current step (exit status 130).",
     )
-    p.add_argument("--steps", type=_count, default=200,
+    p.add_argument("--steps", type=_args.integer(0), default=200,
                    help="optimizer steps to train; 0 trains until Ctrl-C (default 200)")
-    p.add_argument("--port", type=_port, default=None,
+    p.add_argument("--port", type=_args.port, default=None,
                    help="metrics port; 0 picks a free one (default: fadiag's exporter.port, 9464)")
     p.add_argument("--device", choices=("cpu", "cuda", "npu"), default="cpu",
                    help="device to train on (default cpu)")
@@ -50,7 +28,7 @@ def add_parser(subparsers: Any) -> None:
     fault.add_argument("--slow-backward", action="store_true",
                        help="use a hand-written attention whose backward does needless work: "
                             "the backward_forward_ratio flag fires")
-    p.add_argument("--seq-len", type=_positive, default=256, help="sequence length (default 256)")
+    p.add_argument("--seq-len", type=_args.integer(1), default=256, help="sequence length (default 256)")
     p.add_argument("--jsonl", metavar="DIR", default=None,
                    help="write the run log fadiag-rank0.jsonl into DIR (for fadiag report)")
     p.set_defaults(func=run, _parser=p)

@@ -6,25 +6,7 @@ import argparse
 import json
 from typing import Any
 
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def _dropout(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
-    return value
+from . import _args
 
 
 def add_parser(subparsers: Any) -> None:
@@ -37,13 +19,13 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--device", choices=("auto", "cpu", "cuda", "npu"), default="auto",
                    help="device to check SDPA backends on (default: the one training would use)")
-    p.add_argument("--batch", type=_positive, default=1, help="batch size (default 1)")
-    p.add_argument("--heads", type=_positive, default=16, help="query heads (default 16)")
-    p.add_argument("--seq-len", type=_positive, default=2048, help="sequence length (default 2048)")
-    p.add_argument("--head-dim", type=_positive, default=128, help="head dimension (default 128)")
+    p.add_argument("--batch", type=_args.integer(1), default=1, help="batch size (default 1)")
+    p.add_argument("--heads", type=_args.integer(1), default=16, help="query heads (default 16)")
+    p.add_argument("--seq-len", type=_args.integer(1), default=2048, help="sequence length (default 2048)")
+    p.add_argument("--head-dim", type=_args.integer(1), default=128, help="head dimension (default 128)")
     p.add_argument("--dtype", choices=("auto", "float32", "float16", "bfloat16"), default="auto",
                    help="compute dtype (default: float32 on cpu, bfloat16 on accelerators)")
-    p.add_argument("--dropout", type=_dropout, default=0.0, help="attention dropout (default 0)")
+    p.add_argument("--dropout", type=_args.probability, default=0.0, help="attention dropout (default 0)")
     p.add_argument("--no-causal", dest="causal", action="store_false",
                    help="check a non-causal call (default: causal)")
     p.add_argument("--json", action="store_true", help="print the report as JSON")

@@ -13,26 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ..estimate import ELEMENT_BYTES, Estimate, ModelShape, estimate, human_bytes
-
-
-def positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value}")
-    return value
-
-
-def probability(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
-    return value
+from . import _args
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
@@ -46,19 +27,19 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "every implementation needs them."
         ),
     )
-    p.add_argument("--seq-len", type=positive_int, required=True, help="sequence length S")
-    p.add_argument("--heads", type=positive_int, required=True, help="query heads H")
+    p.add_argument("--seq-len", type=_args.integer(1), required=True, help="sequence length S")
+    p.add_argument("--heads", type=_args.integer(1), required=True, help="query heads H")
     p.add_argument(
-        "--kv-heads", type=positive_int, default=None, help="key/value heads (GQA); default H"
+        "--kv-heads", type=_args.integer(1), default=None, help="key/value heads (GQA); default H"
     )
-    p.add_argument("--head-dim", type=positive_int, required=True, help="head dimension D")
-    p.add_argument("--layers", type=positive_int, required=True, help="attention layers L")
-    p.add_argument("--batch", type=positive_int, default=1, help="micro-batch size B (default 1)")
+    p.add_argument("--head-dim", type=_args.integer(1), required=True, help="head dimension D")
+    p.add_argument("--layers", type=_args.integer(1), required=True, help="attention layers L")
+    p.add_argument("--batch", type=_args.integer(1), default=1, help="micro-batch size B (default 1)")
     p.add_argument(
         "--dtype", choices=tuple(ELEMENT_BYTES), default="float16", help="compute dtype"
     )
     p.add_argument(
-        "--dropout", type=probability, default=0.0, help="attention dropout in [0, 1)"
+        "--dropout", type=_args.probability, default=0.0, help="attention dropout in [0, 1)"
     )
     p.add_argument("--json", action="store_true", help="print machine-readable numbers")
     p.set_defaults(func=run)

@@ -6,6 +6,8 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from . import _args
+
 
 def _config_file(text: str) -> str:
     if not Path(text).is_file():
@@ -13,14 +15,6 @@ def _config_file(text: str) -> str:
     return text
 
 
-def _port(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {text!r}") from None
-    if not 0 <= value <= 65535:
-        raise argparse.ArgumentTypeError(f"expected a port number 0..65535, got {value}")
-    return value
 
 
 def add_parser(subparsers: Any) -> None:
@@ -36,7 +30,7 @@ def add_parser(subparsers: Any) -> None:
     )
     p.add_argument("--config", metavar="FILE", type=_config_file,
                    help="YAML config for every attached process (FADIAG_CONFIG)")
-    p.add_argument("--port", type=_port, default=None,
+    p.add_argument("--port", type=_args.port, default=None,
                    help="metrics base port: rank r serves on PORT + LOCAL_RANK; 0 picks free ports "
                         "(default: the config's exporter.port, 9464)")
     p.add_argument("--jsonl", metavar="DIR", default=None,
