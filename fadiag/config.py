@@ -166,6 +166,7 @@ class RegressionRuleConfig:
 
     _checks: ClassVar[dict[str, Check]] = {
         "tolerance": _number(above=0),
+        "min_increase_seconds": _number(lo=0),
         "consecutive": _integer(1),
         "warmup_steps": _integer(0),
         "window": _integer(1),
@@ -175,12 +176,16 @@ class RegressionRuleConfig:
     """Evaluate this rule."""
     tolerance: float = 0.2
     """Flag when attention time exceeds the baseline by more than this fraction."""
+    min_increase_seconds: float = 0.0005
+    """...and by more than this many seconds per step. Host-timed (CPU) steps drift by ~30 % for
+    hundreds of steps on a shared machine; below half a millisecond per step that is noise, not a
+    regression worth a flag. 0 judges by the fraction alone."""
     consecutive: int = 5
     """...for this many consecutive steps."""
     warmup_steps: int = 10
-    """Steps skipped before the rolling baseline starts collecting."""
+    """Steps skipped before the baseline window starts collecting."""
     window: int = 50
-    """Steps in the rolling baseline (median)."""
+    """Steps after the warm-up whose median becomes the baseline (then fixed for the run)."""
     baseline_file: str | None = None
     """A baseline written by `fadiag baseline save`; replaces the rolling baseline where it matches."""
 

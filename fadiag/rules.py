@@ -172,7 +172,8 @@ class Rules:
         # not a regression; a real slowdown lifts the median from its second step on.
         self._recent.append(observed)
         smoothed = statistics.median(self._recent)
-        over = smoothed > expected * (1.0 + cfg.tolerance) and smoothed > expected + spread
+        over = (smoothed > expected * (1.0 + cfg.tolerance)
+                and smoothed > expected + max(spread, cfg.min_increase_seconds))
         self._over.append(over)
         if len(self._over) == self._over.maxlen and all(self._over):
             value = smoothed / expected

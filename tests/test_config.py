@@ -560,7 +560,8 @@ def test_config_keys_list_every_leaf_with_its_default():
     keys = {key.key: key.default for key in config_keys()}
     assert keys["exporter.port"] == 9464
     assert keys["rules.hang.timeout_seconds"] == 300.0
-    assert len(keys) == 38
+    assert keys["rules.regression.min_increase_seconds"] == 0.0005
+    assert len(keys) == 39
 
 
 # --- fuzzing ----------------------------------------------------------------------------------
