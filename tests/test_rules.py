@@ -78,7 +78,8 @@ def test_one_flag_per_episode_and_cleared_when_it_ends():
         attention_step()
     s.flush(10)
     assert [f.rule for f in seen if f.rule == "memory_savings"] == ["memory_savings"]
-    assert [r.step for r in s.history() if r.flags] == [1]
+    # (the ratio rule may flag these short CPU calls too; this test is about one rule's episodes)
+    assert [r.step for r in s.history() if any(f.rule == "memory_savings" for f in r.flags)] == [1]
     assert not s.rules.active.get(("memory_savings", "*"))
 
 
@@ -188,4 +189,6 @@ def test_a_flag_callback_that_raises_is_counted_and_training_continues():
     s = attach(on_flag=bad)
     attention_step(SDPBackend.MATH)
     s.flush(10)
-    assert s.errors == 1 and s.last_step() is not None
+    raised = [f for r in s.history() for f in r.flags]
+    assert raised and s.errors == len(raised)  # each failed delivery counted
+    assert s.last_step() is not None
