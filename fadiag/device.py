@@ -53,6 +53,7 @@ class EventTimer:
         self._event = module.Event
         self._free: deque[Any] = deque()
         self._created = 0
+        self._record = _fast_cuda_record() if kind == "cuda" else None
         try:
             self.name = str(module.get_device_name())
         except Exception:
@@ -64,7 +65,10 @@ class EventTimer:
         except IndexError:
             ev = self._event(enable_timing=True)
             self._created += 1
-        ev.record()
+        if self._record is not None:
+            self._record(ev)
+        else:
+            ev.record()
         return ev
 
     @staticmethod
@@ -88,6 +92,33 @@ class EventTimer:
 
     def pool_size(self) -> int:
         return self._created
+
+
+def _fast_cuda_record() -> Any:
+    """`Event.record()` on the current stream without building a Stream object per call.
+
+    `torch.cuda.Event.record()` calls `torch.cuda.current_stream()`, which constructs a Python
+    Stream each time — most of a record's host cost. The current stream is looked up the same
+    way (per thread, so hooks on the autograd thread see the forward's stream) and its Stream
+    object is cached. Falls back to the plain path if this torch build lacks the pieces.
+    """
+    try:
+        get_stream = torch._C._cuda_getCurrentStream
+        get_device = torch._C._cuda_getDevice
+        base_record = torch._C._CudaEventBase.record
+    except AttributeError:
+        return None
+    streams: dict[Any, Any] = {}
+
+    def record(ev: Any) -> None:
+        data = get_stream(get_device())
+        stream = streams.get(data)
+        if stream is None:
+            stream = streams[data] = torch.cuda.Stream(stream_id=data[0], device_index=data[1],
+                                                       device_type=data[2])
+        base_record(ev, stream)
+
+    return record
 
 
 def window_peak(before: dict[str, int], after: dict[str, int]) -> int:

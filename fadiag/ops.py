@@ -55,6 +55,9 @@ class AttentionOp:
     """Fixed impl name; None: ask torch which SDPA backend ran (fadiag.backends)."""
     output: Callable[[Any], Any] = field(default=lambda out: out)
     sdpa_like: bool = False
+    quick: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, Any, Any, Any]] | None = None
+    """Optional cheap reader for the hot path: (q, k, v, what else tells calls apart);
+    `read` then runs only on a call signature's first sighting."""
 
 
 def _opt(kwargs: dict[str, Any], args: tuple[Any, ...], i: int, name: str, default: Any) -> Any:
@@ -88,6 +91,30 @@ def read_sdpa(args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallInfo:
     shape, dv, kvh = _bhsd(q, k, v)
     return CallInfo(q, k, v, shape, dv, kvh, causal, dropout, "BHSD", mask,
                     (mask,) if isinstance(mask, torch.Tensor) else ())
+
+
+def quick_sdpa(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
+    """q, k, v and the other arguments that change SDPA's choice of kernel, read cheaply."""
+    n = len(args)
+    if n >= 3 and not kwargs:
+        mask = args[3] if n > 3 else None
+        dropout = args[4] if n > 4 else 0.0
+        causal = args[5] if n > 5 else False
+        return args[0], args[1], args[2], (causal, dropout > 0.0, mask_key(mask), False)
+    q = _opt(kwargs, args, 0, "query", None)
+    k = _opt(kwargs, args, 1, "key", None)
+    v = _opt(kwargs, args, 2, "value", None)
+    mask = _opt(kwargs, args, 3, "attn_mask", None)
+    dropout = _opt(kwargs, args, 4, "dropout_p", 0.0)
+    causal = _opt(kwargs, args, 5, "is_causal", False)
+    return q, k, v, (bool(causal), dropout > 0.0, mask_key(mask),
+                     bool(kwargs.get("enable_gqa", False)))
+
+
+def mask_key(mask: Any) -> Any:
+    if isinstance(mask, torch.Tensor):
+        return (mask.dtype, mask.shape, mask.requires_grad)
+    return mask is not None
 
 
 def read_bshd(q: Any, k: Any, v: Any, causal: bool, dropout: float) -> CallInfo:
@@ -217,6 +244,7 @@ OPS: tuple[AttentionOp, ...] = (
         targets=("torch.nn.functional:scaled_dot_product_attention",),
         read=read_sdpa,
         sdpa_like=True,
+        quick=quick_sdpa,
     ),
     AttentionOp(
         name="flash_attn_func",

@@ -20,7 +20,7 @@ import torch
 from . import backends
 from .device import Devices, window_peak
 from .memory import standard_bytes
-from .ops import AttentionOp, CallInfo
+from .ops import AttentionOp, CallInfo, mask_key
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 _USER_FILES = (os.path.join("fadiag", "demo.py"),)
@@ -73,9 +73,10 @@ class Call:
     """One measured call; its marks are filled in by the training and autograd threads."""
 
     __slots__ = ("sig", "site", "timer", "fwd0", "fwd1", "bwd0", "bwd1", "remaining", "host_ns",
-                 "recompute", "aborted", "mem0", "probe", "key", "info", "step")
+                 "recompute", "aborted", "mem0", "probe", "key", "info", "qkv")
 
-    def __init__(self, site: str, timer: Any, recompute: bool, key: Any, info: CallInfo):
+    def __init__(self, site: str, timer: Any, recompute: bool, key: Any, info: CallInfo | None,
+                 qkv: tuple[Any, Any, Any]):
         self.sig: Signature | None = None
         self.site = site
         self.timer = timer
@@ -90,7 +91,8 @@ class Call:
         self.mem0: dict[str, int] | None = None
         self.probe = False
         self.key = key
-        self.info: CallInfo | None = info
+        self.info = info
+        self.qkv: tuple[Any, Any, Any] | None = qkv
 
 
 class ClosedStep:
@@ -212,7 +214,7 @@ class Recorder:
                     out = original(*args, **kwargs)
             except BaseException:
                 call.aborted = True
-                call.info = None
+                call.info = call.qkv = None
                 raise
             finally:
                 rec.depth -= 1
@@ -237,17 +239,23 @@ class Recorder:
                 return None  # inside a measured op's own backward: already timed there
             if not recompute and self.backward_seen:
                 self._new_phase()
-            info = op.read(args, kwargs)
-            q = info.q
-            key = (op.name, q.shape, info.k.shape, info.v.shape, q.dtype, q.device, info.causal,
-                   info.dropout > 0.0, _mask_key(info.mask), grad, q.requires_grad,
-                   info.k.requires_grad, info.v.requires_grad,
-                   backends.backend_flags() if op.sdpa_like else None,
-                   bool(kwargs.get("enable_gqa", False)))
+            info: CallInfo | None = None
+            if op.quick is not None:
+                q, k, v, extra = op.quick(args, kwargs)
+            else:
+                info = op.read(args, kwargs)
+                q, k, v = info.q, info.k, info.v
+                extra = (info.causal, info.dropout > 0.0, mask_key(info.mask))
+            key = (op.name, q.shape, k.shape, v.shape, q.dtype, q.device, grad, q.requires_grad,
+                   k.requires_grad, v.requires_grad,
+                   backends.backend_flags() if op.sdpa_like else None, extra)
+            sig = self.signatures.get(key)
+            if sig is None and info is None:
+                info = op.read(args, kwargs)
             call = Call(self._site(recompute), self.devices.timer(q.device.type), recompute, key,
-                        info)
-            call.sig = self.signatures.get(key)
-            call.probe = call.sig is None and grad and not recompute and _hooks_enabled()
+                        info, (q, k, v))
+            call.sig = sig
+            call.probe = sig is None and grad and not recompute and _hooks_enabled()
             self.calls.append(call)
             call.fwd0 = call.timer.mark()
             return call
@@ -275,17 +283,17 @@ class Recorder:
     def end(self, call: Call, op: AttentionOp, out: Any) -> None:
         try:
             call.fwd1 = call.timer.mark()
-            info = call.info
-            assert info is not None
-            call.info = None
+            info, qkv = call.info, call.qkv
+            call.info = call.qkv = None  # a pending call must not keep the inputs alive
             t = op.output(out)
             node = getattr(t, "grad_fn", None)
             sig = call.sig
             if sig is None:
+                assert info is not None
                 sig = self._learn(call, op, info, node)
             call.sig = sig
-            if node is not None:
-                self._hook_backward(call, sig, node, info)
+            if node is not None and qkv is not None:
+                self._hook_backward(call, sig, node, qkv)
         except Exception as e:
             call.aborted = True
             self._on_error("recorder.end", e)
@@ -321,7 +329,8 @@ class Recorder:
             self.signatures[call.key] = sig
         return sig
 
-    def _hook_backward(self, call: Call, sig: Signature, node: Any, info: CallInfo) -> None:
+    def _hook_backward(self, call: Call, sig: Signature, node: Any,
+                       qkv: tuple[Any, Any, Any]) -> None:
         timer = call.timer
         rec = self
         probe = isinstance(call.probe, SavedBytes) and call.mem0 is not None
@@ -350,7 +359,7 @@ class Recorder:
             fused.register_hook(on_backward_end)
             return
         ends = []
-        for t in (info.q, info.k, info.v):
+        for t in qkv:
             if t.requires_grad:
                 n = _get_edge(t).node
                 if all(n is not e for e in ends):
@@ -445,12 +454,6 @@ class Recorder:
     def open_calls(self) -> list[Call]:
         """The current step's calls so far (a copy; for the hang check)."""
         return list(self.calls) + [c for phase in list(self._phases) for c in phase]
-
-
-def _mask_key(mask: Any) -> Any:
-    if isinstance(mask, torch.Tensor):
-        return (mask.dtype, mask.shape, mask.requires_grad)
-    return mask is not None
 
 
 def _find_fused(node: Any, max_nodes: int = 8) -> tuple[str, tuple[int, ...]] | None:

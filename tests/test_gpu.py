@@ -209,3 +209,22 @@ def test_ten_thousand_steps_keep_event_pool_and_device_memory_flat():
     assert mem1 == mem0
     assert pool1 <= pool0 + 64  # bounded by calls in flight, not by steps
     assert session.errors == 0
+
+
+def test_calls_on_a_side_stream_are_timed_on_that_stream():
+    side = torch.cuda.Stream()
+    session = fadiag.attach(port=0)
+    q, k, v = qkv(2048, b=2)
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            GpuBusy.apply(q)
+            out = F.scaled_dot_product_attention(q, k, v)
+            GpuBusy.apply(out).backward(torch.ones_like(out))
+            fadiag.step()
+    torch.cuda.current_stream().wait_stream(side)
+    assert session.flush(30)
+    call = session.last_step().calls[0]
+    # the flash forward at this shape takes ~0.2 ms; a mark on the wrong stream would read ~0 or
+    # include the 1 ms busy kernel
+    assert 0.05e-3 < call.forward_seconds < 0.9e-3, call.forward_seconds
+    assert session.errors == 0
