@@ -41,9 +41,7 @@ class CallRecord:
 
     @property
     def memory_savings(self) -> float | None:
-        if self.kept_bytes is None or self.standard_bytes <= 0:
-            return None
-        return 1.0 - self.kept_bytes / self.standard_bytes
+        return savings(self.kept_bytes, self.standard_bytes)
 
     @property
     def ratio(self) -> float | None:
@@ -112,9 +110,7 @@ class SiteSummary:
 
     @property
     def memory_savings(self) -> float | None:
-        if self.kept_bytes is None or self.standard_bytes <= 0:
-            return None
-        return 1.0 - self.kept_bytes / self.standard_bytes
+        return savings(self.kept_bytes, self.standard_bytes)
 
 
 @dataclass
@@ -147,9 +143,7 @@ class StepReport:
 
     @property
     def memory_savings(self) -> float | None:
-        if self.kept_bytes is None or self.standard_bytes <= 0:
-            return None
-        return 1.0 - self.kept_bytes / self.standard_bytes
+        return savings(self.kept_bytes, self.standard_bytes)
 
     @property
     def attention_seconds(self) -> float:
@@ -214,3 +208,10 @@ def ratio(backward: float, forward: float) -> float | None:
     if forward <= 0.0 or backward <= 0.0:
         return None
     return backward / forward
+
+
+def savings(kept: int | None, standard: int) -> float | None:
+    """1 - kept / standard, or None when either is unknown."""
+    if kept is None or standard <= 0:
+        return None
+    return 1.0 - kept / standard

@@ -18,7 +18,7 @@ from typing import Any
 
 from .config import MemoryRuleConfig, RatioRuleConfig
 from .jsonl import Run
-from .records import Flag, StepReport, ratio
+from .records import Flag, StepReport, ratio, savings
 
 RULES = ("backward_forward_ratio", "memory_savings", "regression", "hang")
 
@@ -45,9 +45,7 @@ class SiteRow:
 
     @property
     def memory_savings(self) -> float | None:
-        if self.kept_bytes is None or self.standard_bytes <= 0:
-            return None
-        return 1.0 - self.kept_bytes / self.standard_bytes
+        return savings(self.kept_bytes, self.standard_bytes)
 
 
 @dataclass
