@@ -317,3 +317,28 @@ def test_unusual_inputs_are_recorded_and_never_raise(case):
     elif case == "dropout":
         assert call.dropout == 0.1
     assert s.errors == 0
+
+
+def test_outer_saved_tensor_hooks_still_see_what_attention_saves():
+    """Offloading-style hooks (save_on_cpu and the like) still pack every tensor SDPA saves,
+    also on a signature's first call, when fadiag measures kept bytes inside them."""
+    packed = []
+
+    def pack(t):
+        packed.append((tuple(t.shape), t.dtype))
+        return t
+
+    def run():
+        q, k, v = (torch.randn(1, 2, 64, 16, requires_grad=True) for _ in range(3))
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        seen = sorted(packed, key=str)
+        packed.clear()
+        return seen
+
+    plain = run()
+    s = attach()
+    assert run() == plain  # the probe call
+    assert run() == plain  # a cached call
+    fadiag.step()
+    assert resolved(s).calls[0].kept_bytes is not None
