@@ -26,13 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        try:
-            module = importlib.import_module(f"fadiag.commands.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"fadiag.commands.{name}":
-                raise
-            continue
-        module.add_parser(sub)
+        importlib.import_module(f"fadiag.commands.{name}").add_parser(sub)
     return parser
 
 
