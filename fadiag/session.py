@@ -20,7 +20,8 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import __version__
 from . import baseline as baseline_mod
-from .config import Config, load_config
+from .config import Config
+from .config_loader import load_config
 from .device import Devices, default_device_type
 from .errors import FadiagError
 from .exporter import Metrics, Server

@@ -13,7 +13,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fadiag
 from fadiag import baseline
-from fadiag.config import RulesConfig, load_config
+from fadiag.config import RulesConfig
+from fadiag.config_loader import load_config
 from fadiag.records import CallRecord, StepReport
 from fadiag.rules import Rules
 from tests.models import GPT, SeedFlashAttention, train

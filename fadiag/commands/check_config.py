@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 
 from .. import config as config_module
-from ..config import ALIASES, Config, config_issues, config_keys, load_config
+from ..config import Config
+from ..config_loader import ALIASES, config_issues, config_keys, load_config
 
 
 def add_parser(subparsers: Any) -> None:

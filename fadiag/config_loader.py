@@ -1,0 +1,359 @@
+"""Loading a configuration: defaults, a YAML file, a mapping and overrides, merged and checked.
+
+`load_config()` returns a valid `Config` or raises a `ConfigError` listing every problem, each
+named by its dotted key (with the file and line when it came from a file); `fadiag check-config`
+prints the same issues.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import yaml
+
+from .config import (
+    _REPR,
+    Check,
+    Config,
+    _prefixes,
+    _problems,
+    _schema,
+)
+from .errors import ConfigError
+
+# --- loading ----------------------------------------------------------------------------------
+
+ALIASES: Mapping[str, str] = {
+    "port": "exporter.port",
+    "addr": "exporter.addr",
+    "jsonl": "jsonl.path",
+    "device": "device",
+    "enabled": "enabled",
+    "every_n_steps": "sampling.every_n_steps",
+    "per_site": "exporter.per_site",
+}
+"""Short override names (`attach(port=0)`) and the dotted keys they set."""
+
+_TRUE = ("1", "true", "yes", "on")
+
+
+@dataclass(frozen=True)
+class ConfigIssue:
+    """One problem in a configuration, located as precisely as it can be.
+
+    ``str(issue)`` is the ``FILE:LINE: key: reason`` line `fadiag check-config` prints.
+    """
+
+    key: str
+    """Dotted key, or "" for the file or document as a whole."""
+    message: str
+    """A sentence that names the key: "exporter.port must be an integer 0..65535, got -1"."""
+    reason: str
+    """The same without the key: "must be an integer 0..65535, got -1"."""
+    source: str | None = None
+    """The file the value came from; None for a dict, a Config or overrides."""
+    line: int | None = None
+    """1-based line in `source`, where known."""
+
+    def __str__(self) -> str:
+        where = f"{self.source}:{self.line}" if self.source and self.line else self.source
+        return ": ".join(part for part in (where, self.key, self.reason) if part)
+
+    def describe(self) -> str:
+        """The message, prefixed with FILE:LINE when the value came from a file."""
+        if not self.source:
+            return self.message
+        return (
+            f"{self.source}:{self.line}: {self.message}"
+            if self.line
+            else f"{self.source}: {self.message}"
+        )
+
+
+class _Layer(NamedTuple):
+    data: object
+    source: str | None = None
+    lines: Mapping[str, int] = {}
+
+
+def load_config(
+    source: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> Config:
+    """Build the Config that `attach(source, **overrides)` runs with.
+
+    Lowest first: defaults, the YAML file named by $FADIAG_CONFIG (only when `source` is None),
+    `source` (a YAML path, a mapping or a Config), then `overrides` (dotted keys, ``a__b`` keys or
+    the short names in `ALIASES`). FADIAG_DISABLE=1 forces ``enabled: false``. Raises ConfigError
+    listing every problem, the first on the first line.
+    """
+    config, issues = _resolve(
+        _layers(source, overrides, os.environ if environ is None else environ)
+    )
+    if issues:
+        raise ConfigError("\n".join(issue.describe() for issue in issues))
+    assert config is not None
+    return config
+
+
+def config_issues(
+    source: str | os.PathLike[str] | Mapping[str, Any] | Config | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    *,
+    environ: Mapping[str, str] | None = None,
+) -> list[ConfigIssue]:
+    """Every problem `load_config()` with the same arguments would raise for; [] when it loads."""
+    return _resolve(_layers(source, overrides, os.environ if environ is None else environ))[1]
+
+
+def validate_mapping(
+    data: object, *, source: str | None = None, lines: Mapping[str, int] | None = None
+) -> list[ConfigIssue]:
+    """Every problem in one document (as `yaml.safe_load` returns it), read over the defaults.
+
+    `lines` maps dotted keys to 1-based lines of `source`, to locate the issues.
+    """
+    return _resolve([_Layer(data, source, lines or {})])[1]
+
+
+def _layers(source: object, overrides: object, environ: Mapping[str, str]) -> list[_Layer]:
+    layers = []
+    if source is None:
+        if environ.get("FADIAG_CONFIG"):
+            layers.append(_read_yaml(environ["FADIAG_CONFIG"], " (named by FADIAG_CONFIG)"))
+    elif isinstance(source, (str, os.PathLike)):
+        layers.append(_read_yaml(source))
+    elif isinstance(source, (Mapping, Config)):
+        layers.append(_Layer(source))
+    else:
+        reason = f"must be a YAML path, a mapping or a Config, got {_REPR.repr(source)}"
+        layers.append(_Layer(ConfigIssue("", f"the configuration {reason}", reason)))
+    if isinstance(overrides, Mapping):
+        layers += [_Layer(_override(key, value)) for key, value in overrides.items()]
+    elif overrides is not None:
+        reason = f"must be a mapping of keys to values, got {_REPR.repr(overrides)}"
+        layers.append(_Layer(ConfigIssue("", f"overrides {reason}", reason)))
+    if environ.get("FADIAG_DISABLE", "").strip().lower() in _TRUE:
+        layers.append(_Layer({"enabled": False}))
+    return layers
+
+
+def _override(key: object, value: object) -> object:
+    """One override as a nested mapping: "exporter.port", "exporter__port" and "port" alike."""
+    if not isinstance(key, str):
+        return {key: value}
+    path = key.replace("__", ".")
+    if path in ALIASES and not isinstance(value, Mapping):  # jsonl={"path": ...} is the section
+        path = ALIASES[path]
+    for part in reversed(path.split(".")):
+        value = {part: value}
+    return value
+
+
+def _read_yaml(path: str | os.PathLike[str], note: str = "") -> _Layer:
+    source = os.fsdecode(path)
+
+    def failed(reason: str, line: int | None = None) -> _Layer:
+        return _Layer(ConfigIssue("", reason, reason, source, line))
+
+    try:
+        text = Path(source).read_text(encoding="utf-8")
+    except FileNotFoundError:
+        return failed(f"configuration file not found{note}")
+    except UnicodeDecodeError as e:
+        return failed(f"configuration file is not UTF-8 text: {e.reason} at byte {e.start}{note}")
+    except OSError as e:
+        return failed(f"cannot read the configuration file: {e.strerror or e}{note}")
+    try:
+        loader = yaml.SafeLoader(text)
+    except yaml.YAMLError as e:  # a character YAML does not allow
+        return failed(f"invalid YAML: {e}")
+    try:
+        node = loader.get_single_node()
+        data = None if node is None else loader.construct_document(node)
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        if mark is None:
+            return failed(f"invalid YAML: {e.problem or e.context}")
+        return failed(
+            f"invalid YAML at column {mark.column + 1}: {e.problem or e.context}", mark.line + 1
+        )
+    except yaml.YAMLError as e:
+        return failed(f"invalid YAML: {e}")
+    except RecursionError:
+        return failed("invalid YAML: nested too deeply")
+    finally:
+        loader.dispose()
+    lines: dict[str, int] = {}
+    if node is not None:
+        lines[""] = node.start_mark.line + 1
+        _key_lines(node, "", lines)
+    return _Layer(data, source, lines)
+
+
+def _key_lines(node: yaml.Node, prefix: str, lines: dict[str, int], depth: int = 0) -> None:
+    # Deeper than the schema nothing needs a line: unknown keys are reported where they start.
+    if not isinstance(node, yaml.MappingNode) or depth > 3:
+        return
+    for key, value in node.value:
+        if isinstance(key, yaml.ScalarNode):
+            lines[prefix + key.value] = key.start_mark.line + 1
+            _key_lines(value, f"{prefix}{key.value}.", lines, depth + 1)
+
+
+def _resolve(layers: list[_Layer]) -> tuple[Config | None, list[ConfigIssue]]:
+    """Merge the layers key by key over the defaults, then check the result."""
+    issues: list[ConfigIssue] = []
+    merged: dict[str, Any] = {}
+    origins: dict[str, tuple[str | None, int | None]] = {}
+    for layer in layers:
+        if isinstance(layer.data, ConfigIssue):
+            issues.append(layer.data)
+        else:
+            _merge(Config, layer.data, merged, origins, layer, issues)
+    _check(Config, merged, origins, issues)
+    issues.sort(key=lambda issue: issue.line or 0)  # stable: a file's issues in line order
+    return (None, issues) if issues else (_build(Config, merged), [])
+
+
+def _merge(
+    cls: type,
+    data: object,
+    into: dict[str, Any],
+    origins: dict[str, tuple[str | None, int | None]],
+    layer: _Layer,
+    issues: list[ConfigIssue],
+) -> None:
+    prefix = _prefixes()[cls]
+    if isinstance(data, cls):  # a Config or a section: its fields, sections left to recurse
+        data = {f.name: getattr(data, f.name) for f in dataclasses.fields(cls)}
+    if data is None:  # an empty document or an empty section: the defaults
+        return
+    if not isinstance(data, Mapping):
+        key = prefix.rstrip(".")
+        reason = f"must be a mapping of keys to values, got {_REPR.repr(data)}"
+        message = f"{key} {reason}" if key else f"the configuration {reason}"
+        issues.append(ConfigIssue(key, message, reason, layer.source, layer.lines.get(key)))
+        return
+    schema = _schema(cls)
+    for key, value in data.items():
+        dotted = f"{prefix}{key}"
+        line = layer.lines.get(dotted)
+        spec = schema.get(key) if isinstance(key, str) else None
+        if spec is None:
+            hint = _suggest(cls, str(key))
+            issues.append(
+                ConfigIssue(
+                    dotted,
+                    f"unknown key {dotted}; {hint}",
+                    f"unknown key; {hint}",
+                    layer.source,
+                    line,
+                )
+            )
+        elif isinstance(spec, type):
+            _merge(spec, value, into.setdefault(key, {}), origins, layer, issues)
+        else:
+            into[key] = value
+            origins[dotted] = (layer.source, line)
+
+
+def _check(
+    cls: type,
+    merged: dict[str, Any],
+    origins: dict[str, tuple[str | None, int | None]],
+    issues: list[ConfigIssue],
+) -> None:
+    prefix = _prefixes()[cls]
+    schema = _schema(cls)
+    given = {name: value for name, value in merged.items() if isinstance(schema[name], Check)}
+    effective = {**_defaults(cls), **given}
+    for name, reason in _problems(cls, given, effective):
+        key = prefix + name
+        issues.append(ConfigIssue(key, f"{key} {reason}", reason, *origins.get(key, (None, None))))
+    for name, value in merged.items():
+        spec = schema[name]
+        if isinstance(spec, type):
+            _check(spec, value, origins, issues)
+
+
+def _build(cls: type, merged: Mapping[str, Any]) -> Any:
+    schema = _schema(cls)
+    return cls(
+        **{
+            name: _build(schema[name], value) if isinstance(schema[name], type) else value  # type: ignore[arg-type]
+            for name, value in merged.items()
+        }
+    )
+
+
+@functools.cache
+def _defaults(cls: type) -> dict[str, Any]:
+    default = cls()
+    return {f.name: getattr(default, f.name) for f in dataclasses.fields(default)}
+
+
+def _suggest(cls: type, name: str) -> str:
+    """How to fix an unknown key: the key it was probably meant to be, or the keys allowed here."""
+    prefix = _prefixes()[cls]
+    if "." in name and prefix + name in _all_keys():
+        section, _, rest = name.partition(".")
+        return f"dotted keys work only as overrides; nest it: {section}: {{{rest}: ...}}"
+    by_leaf: dict[str, list[str]] = {}
+    for key in _all_keys():
+        by_leaf.setdefault(key.rpartition(".")[2], []).append(key)
+    misplaced = by_leaf.get(name, [])  # the right name in the wrong section: "port" at the top
+    nearby = [key for key in misplaced if key.startswith(prefix)]
+    if misplaced:
+        return f"did you mean {' or '.join(nearby or misplaced)}?"
+    close = difflib.get_close_matches(name, list(_schema(cls)), n=1)
+    if close:
+        return f"did you mean {prefix}{close[0]}?"
+    close = difflib.get_close_matches(name, list(by_leaf), n=1)
+    if close:
+        return f"did you mean {' or '.join(by_leaf[close[0]])}?"
+    return "expected one of " + ", ".join(prefix + key for key in _schema(cls))
+
+
+@functools.cache
+def _all_keys() -> tuple[str, ...]:
+    """Every dotted key in the schema, sections included."""
+    return tuple(prefix + name for cls, prefix in _prefixes().items() for name in _schema(cls))
+
+
+class ConfigKey(NamedTuple):
+    """One leaf of the schema, for references and tools (see `config_keys()`)."""
+
+    key: str
+    """Dotted key: "exporter.port"."""
+    owner: type
+    """The config class that holds it: ExporterConfig."""
+    type: str
+    """As annotated: "int", "str | None"."""
+    default: Any
+    expected: str
+    """What a value must be, as error messages say it: "an integer 0..65535"."""
+
+
+def config_keys(cls: type = Config) -> list[ConfigKey]:
+    """Every leaf key of the schema: a section's own keys first, then its subsections in order."""
+    prefix, schema = _prefixes()[cls], _schema(cls)
+    types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    keys = [
+        ConfigKey(prefix + name, cls, types[name], _defaults(cls)[name], spec.expected)
+        for name, spec in schema.items()
+        if isinstance(spec, Check)
+    ]
+    for spec in schema.values():
+        if isinstance(spec, type):
+            keys += config_keys(spec)
+    return keys
