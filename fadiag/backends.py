@@ -46,20 +46,12 @@ def sdpa_choice(q: Any, k: Any, v: Any, mask: Any, dropout: float, causal: bool,
     return name
 
 
-def impl_from_graph(node: Any, max_nodes: int = 16) -> str | None:
-    """Name of the fused backend whose backward node is at or near `node`, else None."""
-    seen = 0
-    frontier = [node]
-    while frontier and seen < max_nodes:
-        n = frontier.pop(0)
-        if n is None:
-            continue
-        seen += 1
-        name = type(n).__name__
-        for needle, impl in _NODE_IMPLS:
-            if needle in name:
-                return impl
-        frontier.extend(fn for fn, _ in n.next_functions)
+def impl_of_node(node: Any) -> str | None:
+    """The fused backend whose backward node `node` is, else None."""
+    name = type(node).__name__
+    for needle, impl in _NODE_IMPLS:
+        if needle in name:
+            return impl
     return None
 
 

@@ -148,9 +148,6 @@ class Devices:
             t = self._timers[kind] = _make_timer(kind)
         return t
 
-    def timers(self) -> list[Any]:
-        return list(self._timers.values())
-
     def name(self) -> str:
         for t in self._timers.values():
             if t.kind != "cpu":
@@ -190,10 +187,3 @@ def default_device_name() -> str:
     except Exception:
         return kind
 
-
-def device_memory_stats(device_type: str) -> dict[str, int] | None:
-    """Allocator figures for a device kind, or None on CPU."""
-    if device_type == "cpu":
-        return None
-    t = _make_timer(device_type)
-    return t.memory_stats()  # type: ignore[no-any-return]

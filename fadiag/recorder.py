@@ -73,7 +73,7 @@ class Call:
     """One measured call; its marks are filled in by the training and autograd threads."""
 
     __slots__ = ("sig", "site", "timer", "fwd0", "fwd1", "bwd0", "bwd1", "remaining", "host_ns",
-                 "recompute", "aborted", "mem0", "probe", "key", "info", "qkv")
+                 "recompute", "aborted", "mem0", "probe", "saved", "key", "info", "qkv")
 
     def __init__(self, site: str, timer: Any, recompute: bool, key: Any, info: CallInfo | None,
                  qkv: tuple[Any, Any, Any]):
@@ -90,6 +90,7 @@ class Call:
         self.aborted = False
         self.mem0: dict[str, int] | None = None
         self.probe = False
+        self.saved: SavedBytes | None = None
         self.key = key
         self.info = info
         self.qkv: tuple[Any, Any, Any] | None = qkv
@@ -273,11 +274,10 @@ class Recorder:
             call.mem0 = call.timer.memory_stats()
         except Exception as e:
             self._on_error("recorder.probe", e)
-            call.probe = False
             return original(*args, **kwargs)
         with torch.autograd.graph.saved_tensors_hooks(saved.pack, saved.unpack):
             out = original(*args, **kwargs)
-        call.probe = saved  # type: ignore[assignment]
+        call.saved = saved
         return out
 
     def end(self, call: Call, op: AttentionOp, out: Any) -> None:
@@ -319,8 +319,8 @@ class Recorder:
             sig.fallback_reason = backends.fallback_reason(
                 info.q, info.k, info.v, info.mask, info.dropout, info.causal,
                 info.kv_heads != info.shape[1])
-        saved = call.probe
-        if isinstance(saved, SavedBytes):
+        saved = call.saved
+        if saved is not None:
             sig.kept_bytes = saved.total()
             if call.mem0 is not None:
                 sig.peak_bytes = window_peak(call.mem0, call.timer.memory_stats())
@@ -333,7 +333,7 @@ class Recorder:
                        qkv: tuple[Any, Any, Any]) -> None:
         timer = call.timer
         rec = self
-        probe = isinstance(call.probe, SavedBytes) and call.mem0 is not None
+        probe = call.saved is not None and call.mem0 is not None
 
         def on_backward_start(grad_outputs: Any) -> None:
             if call.bwd0 is None:
@@ -465,7 +465,7 @@ def _find_fused(node: Any, max_nodes: int = 8) -> tuple[str, tuple[int, ...]] | 
         if n is None:
             continue
         seen += 1
-        impl = backends.impl_from_graph(n, max_nodes=1)
+        impl = backends.impl_of_node(n)
         if impl is not None:
             return impl, path
         frontier.extend((fn, path + (i,)) for i, (fn, _) in enumerate(n.next_functions))

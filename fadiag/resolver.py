@@ -11,7 +11,6 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
 import psutil
 
@@ -31,8 +30,7 @@ class Resolver:
                  open_calls: Callable[[], list[Call]],
                  on_report: Callable[[StepReport], None],
                  on_tick: Callable[[float], None],
-                 on_error: Callable[[str, BaseException], None],
-                 timers: Callable[[], list[Any]]):
+                 on_error: Callable[[str, BaseException], None]):
         self.rank = rank
         self.history: collections.deque[StepReport] = collections.deque(maxlen=history)
         self.oldest_inflight_seconds = 0.0
@@ -41,7 +39,6 @@ class Resolver:
         self._on_report = on_report
         self._on_tick = on_tick
         self._on_error = on_error
-        self._timers = timers
         self._queue: queue.SimpleQueue[ClosedStep | None] = queue.SimpleQueue()
         self._pending: collections.deque[ClosedStep] = collections.deque()
         self._stop = threading.Event()

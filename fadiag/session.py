@@ -88,7 +88,6 @@ class Session:
         self.devices = Devices(config.device)
         device_type = default_device_type() if config.device == "auto" else config.device
         self.device_name = self.devices.name() if config.device == "auto" else config.device
-        self.device_type = device_type
 
         self.metrics = Metrics(
             rank=self.rank, per_site=config.exporter.per_site, max_sites=config.exporter.max_sites,
@@ -122,8 +121,7 @@ class Session:
             fallback_after=steps.fallback_after, on_error=self._error, on_step=self._on_step)
         self.resolver = Resolver(
             rank=self.rank, history=steps.history, open_calls=self.recorder.open_calls,
-            on_report=self._on_report, on_tick=self._on_tick, on_error=self._error,
-            timers=self.devices.timers)
+            on_report=self._on_report, on_tick=self._on_tick, on_error=self._error)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
