@@ -99,14 +99,13 @@ class Call:
 class ClosedStep:
     """A step's calls, handed to the resolver."""
 
-    __slots__ = ("index", "calls", "wall_time", "closed", "unmeasured")
+    __slots__ = ("index", "calls", "wall_time", "closed")
 
-    def __init__(self, index: int, calls: list[Call], unmeasured: int):
+    def __init__(self, index: int, calls: list[Call]):
         self.index = index
         self.calls = calls
         self.wall_time = time.time()
         self.closed = time.monotonic()
-        self.unmeasured = unmeasured
 
 
 class SavedBytes:
@@ -160,7 +159,10 @@ class Recorder:
         self.step_index = 1
         self.calls: list[Call] = []
         self.calls_since_boundary = 0
-        self.unmeasured = 0
+        self.sampled_out = 0
+        """Calls on steps that sampling skips (cumulative)."""
+        self.over_cap = 0
+        """Calls past steps.max_calls_per_step (cumulative)."""
         self.compiled_calls = 0
         self.signatures: dict[Any, Signature] = {}
         self.backward_seen = False
@@ -202,7 +204,7 @@ class Recorder:
                 return original(*args, **kwargs)
             rec.calls_since_boundary += 1
             if not rec.measuring:
-                rec.unmeasured += 1
+                rec.sampled_out += 1
                 return original(*args, **kwargs)
             call = rec.begin(op, args, kwargs)
             if call is None:
@@ -233,7 +235,7 @@ class Recorder:
             if not grad and not self.record_no_grad and not _in_reentrant_checkpoint():
                 return None
             if len(self.calls) >= self.max_calls:
-                self.unmeasured += 1
+                self.over_cap += 1
                 return None
             recompute = grad and _graph_task_id() != -1
             if recompute and self.in_backward > 0:
@@ -436,10 +438,9 @@ class Recorder:
                 self._phases = []
             if not self.calls_since_boundary and not self.calls:
                 return
-            closed = ClosedStep(self.step_index, self.calls, self.unmeasured) if self.calls else None
+            closed = ClosedStep(self.step_index, self.calls) if self.calls else None
             self.calls = []
             self.calls_since_boundary = 0
-            self.unmeasured = 0
             self._site_counts = {}
             self._recompute_counts = {}
             self.backward_seen = False

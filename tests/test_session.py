@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -250,6 +251,28 @@ def test_sampling_measures_one_step_in_n():
     train(GPT(layers=1), steps=9)
     s.flush(10)
     assert [r.step for r in s.history()] == [3, 6, 9]
+    assert s.recorder.sampled_out == 6  # one call on each of the six skipped steps
+
+
+def test_skipped_calls_are_exported_by_reason():
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    s = fadiag.attach(port=0, every_n_steps=2, **{"steps.max_calls_per_step": 1})
+    train(GPT(layers=2), steps=4)
+    assert s.flush(10)
+    deadline = time.monotonic() + 5
+    while True:  # the counters are refreshed by the resolver's twice-a-second tick
+        text = urllib.request.urlopen(f"http://127.0.0.1:{s.port}/metrics").read().decode()
+        samples = {smp.labels["reason"]: smp.value
+                   for f in text_string_to_metric_families(text)
+                   if f.name == "fadiag_attention_uninstrumented_calls" for smp in f.samples}
+        if samples.get("sampling") == 4 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    # steps 1 and 3 are sampled out (2 calls each); on steps 2 and 4 the second call is over the cap
+    assert samples == {"compiled": 0, "sampling": 4, "per_step_cap": 2}
 
 
 def test_compiled_regions_pass_through_and_are_counted():
