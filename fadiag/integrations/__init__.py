@@ -7,7 +7,7 @@ first use. What both callbacks do lives here in `TrainingRun`, free of any frame
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import fadiag
@@ -90,3 +90,18 @@ class TrainingRun:
 
 
 __all__ = ["TrainingRun"]
+
+
+def built_on_first_use(name: str, build: Callable[[], type], namespace: dict[str, Any]
+                       ) -> Callable[[str], Any]:
+    """A module ``__getattr__`` that builds `name` (a class on a framework's base) when first
+    asked for and keeps it in `namespace`, so importing the module imports no framework."""
+
+    def __getattr__(attr: str) -> Any:
+        if attr == name:
+            namespace[name] = cls = build()
+            return cls
+        raise AttributeError(f"module {namespace['__name__']!r} has no attribute {attr!r}")
+
+    return __getattr__
+

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from . import TrainingRun
+from . import TrainingRun, built_on_first_use
 
 
 def _callback_base() -> type:
@@ -59,12 +59,7 @@ def _build() -> type:
     return FadiagCallback
 
 
-def __getattr__(name: str) -> Any:
-    if name == "FadiagCallback":
-        cls = _build()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+__getattr__ = built_on_first_use("FadiagCallback", _build, globals())
 
 
 __all__ = ["FadiagCallback"]  # noqa: F822 - built on first access, by __getattr__
