@@ -34,7 +34,9 @@ RULES = ("backward_forward_ratio", "memory_savings", "regression", "hang")
 OTHER_SITE = "other"
 
 
-class _Histogram:
+class Histogram:
+    """Classic-bucket counts over BUCKETS, kept by hand so a scrape builds families from a snapshot."""
+
     __slots__ = ("counts", "sum")
 
     def __init__(self) -> None:
@@ -46,12 +48,12 @@ class _Histogram:
         self.sum += v
 
     def buckets(self) -> list[tuple[str, float]]:
+        """Cumulative (le, count) pairs, as HistogramMetricFamily.add_metric takes them."""
         out, acc = [], 0
-        for bound, n in zip(BUCKETS, self.counts, strict=False):
+        for bound, n in zip(BUCKETS, self.counts[:-1], strict=True):
             acc += n
             out.append((repr(bound), float(acc)))
-        out.append(("+Inf", float(acc + self.counts[-1])))
-        return out
+        return [*out, ("+Inf", float(acc + self.counts[-1]))]
 
 
 class Metrics(Sink):
@@ -74,9 +76,9 @@ class Metrics(Sink):
         self.build_info = build_info or {}
         self.run_info = run_info or {}
         self._lock = threading.Lock()
-        self._fwd: dict[tuple[str, ...], _Histogram] = {}
-        self._bwd: dict[tuple[str, ...], _Histogram] = {}
-        self._step = _Histogram()
+        self._fwd: dict[tuple[str, ...], Histogram] = {}
+        self._bwd: dict[tuple[str, ...], Histogram] = {}
+        self._step = Histogram()
         self._sites: set[str] = set()
         self._calls: dict[str, int] = {}
         self._flags = dict.fromkeys(RULES, 0)
@@ -99,10 +101,10 @@ class Metrics(Sink):
                 if self.per_site:
                     labels += (self._site_label(c.site),)
                 if not c.recompute:
-                    self._fwd.setdefault(labels, _Histogram()).observe(c.forward_seconds)
+                    self._fwd.setdefault(labels, Histogram()).observe(c.forward_seconds)
                     self._calls[c.impl] = self._calls.get(c.impl, 0) + 1
                 if c.backward_seconds > 0.0:
-                    self._bwd.setdefault(labels, _Histogram()).observe(c.backward_seconds)
+                    self._bwd.setdefault(labels, Histogram()).observe(c.backward_seconds)
             self._step.observe(report.attention_seconds)
             self._steps += 1
             self._last = report

@@ -12,7 +12,6 @@ Alert `for:` durations are cut to a few seconds; everything else is the shipped 
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import os
 import re
@@ -48,6 +47,8 @@ from promstack import (
     wait_for,
 )
 
+from fadiag.exporter import Histogram
+
 pytestmark = [
     pytest.mark.e2e,
     pytest.mark.skipif(
@@ -69,8 +70,6 @@ NOT_ON_CPU = {"fadiag_attention_peak_bytes"}
 
 # --- the stand-in exporter --------------------------------------------------------------------
 
-BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.05, 0.1,
-           0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 @dataclass(frozen=True)
 class Profile:
@@ -90,23 +89,6 @@ PROFILES = {
 }
 STANDARD_BYTES = 4_456_448
 SITES = ("model.layers.0.attn", "model.layers.1.attn")
-
-
-class Histogram:
-    def __init__(self) -> None:
-        self.counts = [0] * (len(BUCKETS) + 1)
-        self.sum = 0.0
-
-    def observe(self, v: float) -> None:
-        self.counts[bisect.bisect_left(BUCKETS, v)] += 1
-        self.sum += v
-
-    def buckets(self) -> list[tuple[str, float]]:
-        out, acc = [], 0
-        for bound, n in zip(BUCKETS, self.counts[:-1], strict=True):
-            acc += n
-            out.append((repr(bound), float(acc)))
-        return [*out, ("+Inf", float(acc + self.counts[-1]))]
 
 
 class StandInExporter:
