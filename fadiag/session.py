@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -26,7 +27,7 @@ from .device import Devices, default_device_type
 from .errors import FadiagError
 from .exporter import Metrics, Server
 from .jsonl import JsonlSink
-from .ops import OPS, AttentionOp, reader_for_layout, resolve_target
+from .ops import OPS, AttentionOp, read_hf, reader_for_layout, resolve_target
 from .patcher import Patcher
 from .recorder import ClosedStep, Recorder
 from .records import Flag, StepReport
@@ -193,14 +194,10 @@ class Session:
         """Wrap HF's attention registry entries (except "sdpa", which reaches the patched SDPA)."""
         if self._hf_wrapped or not self.config.interceptors.transformers:
             return
-        import sys
-
         mu = sys.modules.get("transformers.modeling_utils")
         registry = getattr(mu, "ALL_ATTENTION_FUNCTIONS", None)
         if registry is None:
             return
-        from .ops import read_hf
-
         self._hf_wrapped = True
         store = getattr(registry, "_global_mapping", registry)
         for key in list(store):
