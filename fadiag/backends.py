@@ -24,11 +24,22 @@ _NODE_IMPLS = (
 )
 
 
+def _flag_getters() -> tuple[Any, Any, Any, Any]:
+    c, b = torch._C, torch.backends.cuda
+    try:  # the C getters behind torch.backends.cuda.*_sdp_enabled(), without the Python frames
+        return (c._get_flash_sdp_enabled, c._get_mem_efficient_sdp_enabled,
+                c._get_math_sdp_enabled, c._get_cudnn_sdp_enabled)
+    except AttributeError:
+        return (b.flash_sdp_enabled, b.mem_efficient_sdp_enabled, b.math_sdp_enabled,
+                b.cudnn_sdp_enabled)
+
+
+_FLASH, _EFFICIENT, _MATH, _CUDNN = _flag_getters()
+
+
 def backend_flags() -> tuple[bool, bool, bool, bool]:
     """The global SDPA backend switches (also set by `sdpa_kernel`); part of a call's signature."""
-    b = torch.backends.cuda
-    return (b.flash_sdp_enabled(), b.mem_efficient_sdp_enabled(), b.math_sdp_enabled(),
-            b.cudnn_sdp_enabled())
+    return (_FLASH(), _EFFICIENT(), _MATH(), _CUDNN())
 
 
 def sdpa_choice(q: Any, k: Any, v: Any, mask: Any, dropout: float, causal: bool,

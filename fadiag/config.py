@@ -290,12 +290,17 @@ class Config:
         fadiag.attach(cfg)
     """
 
-    _checks: ClassVar[dict[str, Check]] = {"device": _one_of("auto", "cpu", "cuda", "npu")}
+    _checks: ClassVar[dict[str, Check]] = {"device": _one_of("auto", "cpu", "cuda", "npu"),
+                                           "native": _one_of("auto", "on", "off")}
 
     enabled: bool = True
     """False: attach() returns a session that patches nothing."""
     device: str = "auto"
     """Timing backend: auto (each tensor's device), cpu, cuda or npu."""
+    native: str = "auto"
+    """Timing marks in C++ (fadiag/native.py). auto: on CUDA, built or loaded in the background
+    and used from then on (Python marks until then, and wherever no C++ compiler is present);
+    on: also on CPU, built at first use, waiting for it; off: Python marks only. NPU: Python."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     interceptors: InterceptorsConfig = field(default_factory=InterceptorsConfig)
     steps: StepsConfig = field(default_factory=StepsConfig)

@@ -35,6 +35,7 @@ ALIASES: Mapping[str, str] = {
     "addr": "exporter.addr",
     "jsonl": "jsonl.path",
     "device": "device",
+    "native": "native",
     "enabled": "enabled",
     "every_n_steps": "sampling.every_n_steps",
     "per_site": "exporter.per_site",

@@ -18,9 +18,14 @@ class CpuTimer:
 
     kind = "cpu"
     name = "cpu"
+    native = False
 
     def mark(self) -> int:
         return time.perf_counter_ns()
+
+    @staticmethod
+    def recorded(mark: Any) -> bool:
+        return mark is not None
 
     @staticmethod
     def done(mark: Any) -> bool:
@@ -47,6 +52,8 @@ class EventTimer:
     True for both events; on CUDA that ordering is what keeps it free of a sync as well.
     """
 
+    native = False
+
     def __init__(self, kind: str, module: Any):
         self.kind = kind
         self._module = module
@@ -72,6 +79,10 @@ class EventTimer:
         return ev
 
     @staticmethod
+    def recorded(mark: Any) -> bool:
+        return mark is not None
+
+    @staticmethod
     def done(mark: Any) -> bool:
         return bool(mark.query())
 
@@ -83,15 +94,99 @@ class EventTimer:
         self._free.extend(m for m in marks if m is not None)
 
     def memory_stats(self) -> dict[str, int] | None:
-        stats = self._module.memory_stats()
-        return {
-            "current": int(stats.get("allocated_bytes.all.current", 0)),
-            "peak": int(stats.get("allocated_bytes.all.peak", 0)),
-            "allocated": int(stats.get("allocated_bytes.all.allocated", 0)),
-        }
+        return _allocator_stats(self._module)
 
     def pool_size(self) -> int:
         return self._created
+
+
+class NativeTimer:
+    """Marks taken by the native extension (`fadiag/native.py`): a mark is a slot number.
+
+    Besides `mark()`, it hooks a call's backward in C++ (`hook_backward`), so the two backward
+    marks need neither the GIL nor a Python call. Slots are handed out here, on the training
+    thread, and given back by the resolver; a released slot disarms any hook still holding it.
+    """
+
+    native = True
+
+    def __init__(self, kind: str, extension: Any, module: Any = None):
+        self.kind = kind
+        self._module = module
+        self._marks = extension.Marks(kind == "cuda")
+        self._free: list[int] = []
+        self._next = 0
+        self._errors_seen = 0
+        self.backward_starts_seen = 0
+        self.name = "cpu"
+        if module is not None:
+            try:
+                self.name = str(module.get_device_name())
+            except Exception:
+                self.name = kind
+        self._take = self._marks.mark
+        self.recorded = self._marks.recorded
+        self.done = self._marks.done
+        self.elapsed = self._marks.elapsed
+        self.backward_starts = self._marks.backward_starts
+        self.in_backward = self._marks.in_backward
+        self.reset_in_backward = self._marks.reset_in_backward
+        self.wait_backward = self._marks.wait_backward
+
+    def slot(self) -> int:
+        try:
+            return self._free.pop()
+        except IndexError:
+            s = self._next
+            self._next = s + 1
+            self._marks.ensure(s + 1)
+            return s
+
+    def mark(self) -> int:
+        s = self.slot()
+        self._take(s)
+        return s
+
+    def hook_backward(self, out: Any, path: tuple[int, ...]) -> tuple[int, int] | None:
+        """Slots that the backward of `out`'s node (start) and of `path`'s end node fill."""
+        start, end = self.slot(), self.slot()
+        if self._marks.hook(out, start, end, list(path)):
+            return start, end
+        self.release(start, end)
+        return None
+
+    def release(self, *marks: Any) -> None:
+        for m in marks:
+            if m is not None:
+                self._marks.release(m)
+                self._free.append(m)
+
+    def new_errors(self) -> int:
+        """Marks that failed in C++ since the last call (hooks cannot raise into autograd)."""
+        total = self._marks.errors()
+        new, self._errors_seen = total - self._errors_seen, total
+        return new
+
+    def memory_stats(self) -> dict[str, int] | None:
+        return _allocator_stats(self._module) if self._module is not None else None
+
+    def pool_size(self) -> int:
+        return int(self._marks.events_created()) if self.kind == "cuda" else self._next
+
+
+def _allocator_stats(module: Any) -> dict[str, int]:
+    if module is torch.cuda and hasattr(torch._C, "_cuda_memoryStats"):
+        # The nested form: `memory_stats()` flattens it in Python, ~10x the cost of reading it.
+        nested = torch._C._cuda_memoryStats(torch._C._cuda_getDevice())
+        allocated = nested.get("allocated_bytes", {}).get("all", {})
+        return {"current": int(allocated.get("current", 0)), "peak": int(allocated.get("peak", 0)),
+                "allocated": int(allocated.get("allocated", 0))}
+    stats = module.memory_stats()
+    return {
+        "current": int(stats.get("allocated_bytes.all.current", 0)),
+        "peak": int(stats.get("allocated_bytes.all.peak", 0)),
+        "allocated": int(stats.get("allocated_bytes.all.allocated", 0)),
+    }
 
 
 def _fast_cuda_record() -> Any:
@@ -135,17 +230,53 @@ def window_peak(before: dict[str, int], after: dict[str, int]) -> int:
 
 
 class Devices:
-    """One timer per device kind, created on first use."""
+    """One timer per device kind, created on first use.
 
-    def __init__(self, override: str = "auto"):
+    `native` chooses the marks: "auto" uses the native extension on CUDA once a background build
+    (or load of the cached build) is done, with Python events until then; "on" builds it at first
+    use, for CUDA and CPU, and waits; "off" keeps Python marks. NPU always uses Python marks.
+    """
+
+    def __init__(self, override: str = "auto", native: str = "off"):
         self._override = override
+        self._native = native
         self._timers: dict[str, Any] = {}
+        self.native_timers: list[NativeTimer] = []
+        self._closed = False
 
     def timer(self, device_type: str) -> Any:
         kind = device_type if self._override == "auto" else self._override
         t = self._timers.get(kind)
         if t is None:
-            t = self._timers[kind] = _make_timer(kind)
+            t = self._timers[kind] = self._make(kind)
+        return t
+
+    def close(self) -> None:
+        """No timer is swapped in after this (a background build finishing late is ignored)."""
+        self._closed = True
+
+    def _make(self, kind: str) -> Any:
+        timer = _make_timer(kind)
+        if kind not in ("cuda", "cpu") or self._native == "off":
+            return timer
+        if self._native == "on":
+            from . import native
+
+            ext = native.load(kind)
+            return self._adopt(kind, ext) if ext is not None else timer
+        if kind == "cuda":
+            from . import native
+
+            def ready(ext: Any) -> None:
+                if not self._closed:
+                    self._timers[kind] = self._adopt(kind, ext)
+
+            native.load_in_background(kind, ready)
+        return timer
+
+    def _adopt(self, kind: str, ext: Any) -> NativeTimer:
+        t = NativeTimer(kind, ext, torch.cuda if kind == "cuda" else None)
+        self.native_timers.append(t)
         return t
 
     def name(self) -> str:

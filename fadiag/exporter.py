@@ -101,10 +101,16 @@ class Metrics(Sink):
                 if self.per_site:
                     labels += (self._site_label(c.site),)
                 if not c.recompute:
-                    self._fwd.setdefault(labels, Histogram()).observe(c.forward_seconds)
+                    h = self._fwd.get(labels)
+                    if h is None:
+                        h = self._fwd[labels] = Histogram()
+                    h.observe(c.forward_seconds)
                     self._calls[c.impl] = self._calls.get(c.impl, 0) + 1
                 if c.backward_seconds > 0.0:
-                    self._bwd.setdefault(labels, Histogram()).observe(c.backward_seconds)
+                    h = self._bwd.get(labels)
+                    if h is None:
+                        h = self._bwd[labels] = Histogram()
+                    h.observe(c.backward_seconds)
             self._step.observe(report.attention_seconds)
             self._steps += 1
             self._last = report

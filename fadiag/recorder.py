@@ -238,9 +238,9 @@ class Recorder:
                 self.over_cap += 1
                 return None
             recompute = grad and _graph_task_id() != -1
-            if recompute and self.in_backward > 0:
+            if recompute and (self.in_backward > 0 or self._native_in_backward()):
                 return None  # inside a measured op's own backward: already timed there
-            if not recompute and self.backward_seen:
+            if not recompute and (self.backward_seen or self._native_backward_seen()):
                 self._new_phase()
             info: CallInfo | None = None
             if op.quick is not None:
@@ -249,13 +249,14 @@ class Recorder:
                 info = op.read(args, kwargs)
                 q, k, v = info.q, info.k, info.v
                 extra = (info.causal, info.dropout > 0.0, mask_key(info.mask))
-            key = (op.name, q.shape, k.shape, v.shape, q.dtype, q.device, grad, q.requires_grad,
+            dev = q.device
+            key = (op.name, q.shape, k.shape, v.shape, q.dtype, dev, grad, q.requires_grad,
                    k.requires_grad, v.requires_grad,
                    backends.backend_flags() if op.sdpa_like else None, extra)
             sig = self.signatures.get(key)
             if sig is None and info is None:
                 info = op.read(args, kwargs)
-            call = Call(self._site(recompute), self.devices.timer(q.device.type), recompute, key,
+            call = Call(self._site(recompute), self.devices.timer(dev.type), recompute, key,
                         info, (q, k, v))
             call.sig = sig
             call.probe = sig is None and grad and not recompute and _hooks_enabled()
@@ -288,8 +289,15 @@ class Recorder:
             info, qkv = call.info, call.qkv
             call.info = call.qkv = None  # a pending call must not keep the inputs alive
             t = op.output(out)
-            node = getattr(t, "grad_fn", None)
             sig = call.sig
+            if (sig is not None and qkv is not None and call.timer.native
+                    and sig.fused_path is not None):
+                # The steady state with native marks: C++ finds the node and hooks it.
+                slots = call.timer.hook_backward(t, sig.fused_path)
+                if slots is not None:
+                    call.bwd0, call.bwd1 = slots
+                    return
+            node = getattr(t, "grad_fn", None)
             if sig is None:
                 assert info is not None
                 sig = self._learn(call, op, info, node)
@@ -389,7 +397,8 @@ class Recorder:
             if not flag:
                 break
             frame = frame.f_back
-        lk = (frame.f_code, frame.f_lineno)
+        # Keyed by the bytecode offset: f_lineno decodes the line table on every read.
+        lk = (frame.f_code, frame.f_lasti)
         loc = self._locations.get(lk)
         if loc is None:
             parts = frame.f_code.co_filename.replace(os.sep, "/").rsplit("/", 2)
@@ -403,6 +412,19 @@ class Recorder:
         n = self._site_counts.get(loc, 0)
         self._site_counts[loc] = n + 1
         return f"{loc}#{n}"
+
+    def _native_backward_seen(self) -> bool:
+        """Whether a native backward hook fired since the last look (they cannot set flags)."""
+        seen = False
+        for t in self.devices.native_timers:
+            n = t.backward_starts()
+            if n != t.backward_starts_seen:
+                t.backward_starts_seen = n
+                seen = True
+        return seen
+
+    def _native_in_backward(self) -> bool:
+        return any(t.in_backward() > 0 for t in self.devices.native_timers)
 
     def _new_phase(self) -> None:
         """A forward after a backward: a new micro-batch (or, without optimizer, a new step)."""
@@ -444,7 +466,10 @@ class Recorder:
             self._site_counts = {}
             self._recompute_counts = {}
             self.backward_seen = False
+            self._native_backward_seen()
             self.in_backward = 0
+            for t in self.devices.native_timers:
+                t.reset_in_backward()
             self.step_index += 1
             self.measuring = self.enabled and self._sampled(self.step_index)
             if closed is not None:  # an unsampled step has nothing to resolve

@@ -13,7 +13,7 @@ Shape = tuple[int, int, int, int, int]
 """(B, H, Sq, Sk, D): batch, query heads, query length, key length, head dim."""
 
 
-@dataclass
+@dataclass(slots=True)
 class CallRecord:
     """One attention call, measured.
 
@@ -90,7 +90,7 @@ class Flag:
         return cls(**kwargs)
 
 
-@dataclass
+@dataclass(slots=True)
 class SiteSummary:
     """One call site's totals within a step."""
 

@@ -11,6 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import psutil
 
@@ -18,9 +19,14 @@ from .recorder import Call, ClosedStep
 from .records import CallRecord, StepReport
 
 _POLL_S = 0.02
+_DEFER_S = 0.5
+"""With native marks a closed step waits, at most this long, for the next backward to start."""
 _IDLE_S = 0.25
 _TICK_S = 0.5
 _BACKWARD_GRACE_S = 5.0
+_RSS_EVERY_S = 0.5
+"""CPU runs report the process RSS as the step's peak; reading it costs ~0.1 ms, so at most
+twice a second."""
 
 
 class Resolver:
@@ -30,7 +36,8 @@ class Resolver:
                  open_calls: Callable[[], list[Call]],
                  on_report: Callable[[StepReport], None],
                  on_tick: Callable[[float], None],
-                 on_error: Callable[[str, BaseException], None]):
+                 on_error: Callable[[str, BaseException], None],
+                 native_timers: Callable[[], list[Any]] = list):
         self.rank = rank
         self.history: collections.deque[StepReport] = collections.deque(maxlen=history)
         self.oldest_inflight_seconds = 0.0
@@ -39,13 +46,19 @@ class Resolver:
         self._on_report = on_report
         self._on_tick = on_tick
         self._on_error = on_error
+        self._native_timers = native_timers
+        self._wait_from: int | None = None
         self._queue: queue.SimpleQueue[ClosedStep | None] = queue.SimpleQueue()
         self._pending: collections.deque[ClosedStep] = collections.deque()
         self._stop = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
+        self._hurry = threading.Event()
+        """Set by flush(): someone waits for the results, so nothing is deferred."""
         self._mem_before: dict[str, dict[str, int]] = {}
         self._process = psutil.Process()
+        self._rss: int | None = None
+        self._rss_at = 0.0
         self._next_tick = 0.0
         self._thread = threading.Thread(target=self._run, name="fadiag-resolver", daemon=True)
 
@@ -68,7 +81,11 @@ class Resolver:
         """Wait until every submitted step is resolved; True if it happened in time."""
         if not self._thread.is_alive():
             return self._queue.empty() and not self._pending
-        return self._idle.wait(timeout)
+        self._hurry.set()
+        try:
+            return self._idle.wait(timeout)
+        finally:
+            self._hurry.clear()
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -77,10 +94,13 @@ class Resolver:
 
     def _run(self) -> None:
         while not self._stop.is_set():
+            # With native marks and steps pending, the wait is in _defer() instead of here.
+            block = not (self._pending and self._native_timers())
             try:
-                item = self._queue.get(timeout=_POLL_S if self._pending else _IDLE_S)
-                if item is not None:
-                    self._pending.append(item)
+                if block:
+                    item = self._queue.get(timeout=_POLL_S if self._pending else _IDLE_S)
+                    if item is not None:
+                        self._pending.append(item)
                 while True:  # drain without waiting
                     item = self._queue.get_nowait()
                     if item is not None:
@@ -88,8 +108,9 @@ class Resolver:
             except queue.Empty:
                 pass
             try:
-                while self._pending and self._try_resolve(self._pending[0]):
-                    self._pending.popleft()
+                if not (self._pending and self._defer()):
+                    while self._pending and self._try_resolve(self._pending[0]):
+                        self._pending.popleft()
                 now = time.monotonic()
                 if now >= self._next_tick:
                     self._next_tick = now + _TICK_S
@@ -101,6 +122,28 @@ class Resolver:
             if not self._pending and self._queue.empty():
                 self._idle.set()
 
+    def _defer(self) -> bool:
+        """With native marks, wait for the next backward to start before resolving.
+
+        While backward() runs, the training thread has released the GIL and the autograd engine
+        runs without it (the native hooks need none), so resolving then takes nothing from the
+        step. The wait itself holds no GIL. Gives up after _DEFER_S: no backward is coming
+        (evaluation, the end of training, a long step), and the step is resolved anyway.
+        """
+        timers = self._native_timers()
+        if not timers or self._stop.is_set() or self._hurry.is_set():
+            return False
+        if time.monotonic() - self._pending[0].closed >= _DEFER_S:
+            self._wait_from = None
+            return False
+        t = timers[-1]
+        if self._wait_from is None:
+            self._wait_from = t.backward_starts()
+        if t.wait_backward(self._wait_from, _POLL_S) > self._wait_from:
+            self._wait_from = None
+            return False
+        return True
+
     def _try_resolve(self, step: ClosedStep) -> bool:
         now = time.monotonic()
         for c in step.calls:
@@ -110,8 +153,8 @@ class Resolver:
             # Both ends are queried: on NPU, elapsed_time synchronises unless both are done.
             if not (t.done(c.fwd0) and t.done(c.fwd1)):
                 return False
-            if c.bwd0 is not None:
-                if c.bwd1 is None:
+            if t.recorded(c.bwd0):
+                if not t.recorded(c.bwd1):
                     if now - step.closed < _BACKWARD_GRACE_S:
                         return False
                 elif not (t.done(c.bwd0) and t.done(c.bwd1)):
@@ -132,7 +175,7 @@ class Resolver:
             t = c.timer
             f = _seconds(t.elapsed(c.fwd0, c.fwd1))
             b = 0.0
-            if c.bwd0 is not None and c.bwd1 is not None:
+            if t.recorded(c.bwd0) and t.recorded(c.bwd1):
                 b = _seconds(t.elapsed(c.bwd0, c.bwd1))
             t.release(c.fwd0, c.fwd1, c.bwd0, c.bwd1)
             c.fwd0 = c.fwd1 = c.bwd0 = c.bwd1 = None
@@ -176,7 +219,10 @@ class Resolver:
                 return int(after["peak"])
             return int(min(before["peak"], max(before["current"], after["current"])
                            + (after["allocated"] - before["allocated"])))
-        return int(self._process.memory_info().rss)
+        now = time.monotonic()
+        if self._rss is None or now - self._rss_at >= _RSS_EVERY_S:
+            self._rss, self._rss_at = int(self._process.memory_info().rss), now
+        return self._rss
 
     def _tick(self) -> None:
         now_ns = time.monotonic_ns()
@@ -187,9 +233,9 @@ class Resolver:
         for c in calls:
             if c.aborted:
                 continue
-            host_busy = c.fwd1 is None or (c.bwd0 is not None and c.bwd1 is None)
-            if host_busy or not c.timer.done(c.fwd1) or (c.bwd1 is not None
-                                                         and not c.timer.done(c.bwd1)):
+            t = c.timer
+            host_busy = c.fwd1 is None or (t.recorded(c.bwd0) and not t.recorded(c.bwd1))
+            if host_busy or not t.done(c.fwd1) or (t.recorded(c.bwd1) and not t.done(c.bwd1)):
                 oldest = max(oldest, now_ns - c.host_ns)
         self.oldest_inflight_seconds = oldest * 1e-9
         self._on_tick(self.oldest_inflight_seconds)

@@ -86,7 +86,7 @@ class Session:
         self._hf_wrapped = False
         self._server: Server | None = None
         self.port: int | None = None
-        self.devices = Devices(config.device)
+        self.devices = Devices(config.device, config.native)
         device_type = default_device_type() if config.device == "auto" else config.device
         self.device_name = self.devices.name() if config.device == "auto" else config.device
 
@@ -122,7 +122,8 @@ class Session:
             fallback_after=steps.fallback_after, on_error=self._error, on_step=self._on_step)
         self.resolver = Resolver(
             rank=self.rank, history=steps.history, open_calls=self.recorder.open_calls,
-            on_report=self._on_report, on_tick=self._on_tick, on_error=self._error)
+            on_report=self._on_report, on_tick=self._on_tick, on_error=self._error,
+            native_timers=lambda: self.devices.native_timers)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -217,6 +218,7 @@ class Session:
             self._optimizer_hook = None
         self._patcher.restore()
         self.recorder.boundary("detach")
+        self.devices.close()
         self.resolver.stop()
         if self._server is not None:
             self._server.close()
@@ -237,6 +239,10 @@ class Session:
                 self._error("transformers registry", e)
 
     def _on_report(self, report: StepReport) -> None:
+        for t in self.devices.native_timers:
+            failed = t.new_errors()
+            if failed:
+                self._error("native marks", RuntimeError(f"{failed} mark(s) failed in C++"))
         try:
             flags = self.rules.evaluate(report)
         except Exception as e:

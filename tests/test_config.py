@@ -400,11 +400,11 @@ def test_source_of_another_type_is_rejected(source):
         ),
         (
             {"qqqq": 1},
-            "unknown key qqqq; expected one of enabled, device, sampling, interceptors, steps, rules, exporter, jsonl, log",
+            "unknown key qqqq; expected one of enabled, device, native, sampling, interceptors, steps, rules, exporter, jsonl, log",
         ),
         (
             {1: 2},
-            "unknown key 1; expected one of enabled, device, sampling, interceptors, steps, rules, exporter, jsonl, log",
+            "unknown key 1; expected one of enabled, device, native, sampling, interceptors, steps, rules, exporter, jsonl, log",
         ),
     ],
 )
@@ -553,7 +553,8 @@ def test_config_keys_list_every_leaf_with_its_default():
     assert keys["exporter.port"] == 9464
     assert keys["rules.hang.timeout_seconds"] == 300.0
     assert keys["rules.regression.min_increase_seconds"] == 0.0005
-    assert len(keys) == 39
+    assert len(keys) == 40
+    assert keys["native"] == "auto"
 
 
 # --- fuzzing ----------------------------------------------------------------------------------

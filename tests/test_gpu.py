@@ -20,6 +20,32 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
 ]
 
+@pytest.fixture(scope="module", autouse=True)
+def native_marks_built():
+    """Build (or load) the native marks once, so `native: auto` uses them from the first call."""
+    from fadiag import native
+
+    module = native.load("cuda")
+    print(f"native marks: {native.status('cuda')}")
+    return module
+
+
+@pytest.fixture(params=["native", "python"])
+def marks(request, native_marks_built):
+    """`native` setting for attach(): each test using it runs with C++ marks and Python marks."""
+    if request.param == "native" and native_marks_built is None:
+        from fadiag import native
+
+        pytest.fail(f"native marks did not build here: {native.status('cuda')}")
+    return "on" if request.param == "native" else "off"
+
+
+def attach(marks, **kw):
+    session = fadiag.attach(port=0, native=marks, **kw)
+    assert session.devices.timer("cuda").native == (marks == "on")
+    return session
+
+
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 
@@ -57,14 +83,14 @@ def run_steps(backend, s, steps=3, causal=False, b=1):
 
 
 @pytest.mark.parametrize("backend", list(BACKENDS))
-def test_impl_is_the_backend_that_ran(backend):
-    s = fadiag.attach(port=0)
+def test_impl_is_the_backend_that_ran(backend, marks):
+    s = attach(marks)
     run_steps(backend, 1024)
     assert s.flush(30)
     assert s.last_step().calls[0].impl == backend
 
 
-def test_no_host_sync_on_the_training_thread():
+def test_no_host_sync_on_the_training_thread(marks):
     syncs = []
     torch._C._activate_gpu_trace()
     from torch.cuda import _gpu_trace
@@ -75,7 +101,7 @@ def test_no_host_sync_on_the_training_thread():
     model = GPT(layers=4, dim=256, heads=4, vocab=256).cuda()
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     tokens = torch.randint(0, 256, (4, 512), device="cuda")
-    s = fadiag.attach(port=0)
+    s = attach(marks)
     for _ in range(3):  # warm-up, also learns every signature
         model(tokens).float().pow(2).mean().backward()
         opt.step()
@@ -118,9 +144,9 @@ def _cupti_kernel_seconds(fn):
 
 @pytest.mark.parametrize("backend", ["flash", "cudnn"])
 @pytest.mark.parametrize("s", [2048, 4096, 8192])
-def test_forward_and_backward_within_5_percent_of_cupti_kernel_time(backend, s):
+def test_forward_and_backward_within_5_percent_of_cupti_kernel_time(backend, s, marks):
     q, k, v = qkv(s, b=2)
-    session = fadiag.attach(port=0)
+    session = attach(marks)
 
     def once():
         GpuBusy.apply(q)
@@ -143,7 +169,7 @@ def test_forward_and_backward_within_5_percent_of_cupti_kernel_time(backend, s):
         ref_b.append(b)
     rf, rb = statistics.median(ours_f) / statistics.median(ref_f), \
         statistics.median(ours_b) / statistics.median(ref_b)
-    print(f"{backend} S={s}: fwd {statistics.median(ours_f)*1e3:.3f} ms vs CUPTI "
+    print(f"{backend} S={s} {marks=}: fwd {statistics.median(ours_f)*1e3:.3f} ms vs CUPTI "
           f"{statistics.median(ref_f)*1e3:.3f} ms ({rf:.3f}); bwd {statistics.median(ours_b)*1e3:.3f}"
           f" vs {statistics.median(ref_b)*1e3:.3f} ms ({rb:.3f})")
     assert 0.95 <= rf <= 1.05
@@ -184,11 +210,11 @@ def test_forced_math_path_raises_the_memory_flag():
     assert call.kept_bytes >= 16 * 2048 * 2048 * 2  # at least P, [B, H, S, S]
 
 
-def test_ten_thousand_steps_keep_event_pool_and_device_memory_flat():
+def test_ten_thousand_steps_keep_event_pool_and_device_memory_flat(marks):
     model = GPT(layers=2, dim=128, heads=2, vocab=128).cuda()
     opt = torch.optim.AdamW(model.parameters(), fused=True)
     tokens = torch.randint(0, 128, (2, 256), device="cuda")
-    session = fadiag.attach(port=0)
+    session = attach(marks)
 
     def steps(n):
         for _ in range(n):
@@ -211,9 +237,9 @@ def test_ten_thousand_steps_keep_event_pool_and_device_memory_flat():
     assert session.errors == 0
 
 
-def test_calls_on_a_side_stream_are_timed_on_that_stream():
+def test_calls_on_a_side_stream_are_timed_on_that_stream(marks):
     side = torch.cuda.Stream()
-    session = fadiag.attach(port=0)
+    session = attach(marks)
     q, k, v = qkv(2048, b=2)
     with torch.cuda.stream(side):
         for _ in range(3):

@@ -1,0 +1,329 @@
+// Timing marks taken in C++: forward marks called from Python, backward marks taken by autograd
+// node hooks that never take the GIL.
+//
+// A mark is a slot in a pool. On CUDA a slot holds a timing event recorded on the current stream
+// (the autograd engine makes the node's stream current before running its hooks); on CPU it holds
+// a steady-clock reading. Slot numbers are handed out by Python under the GIL; hooks only write to
+// slots they were given, and a slot's generation guards against a late hook writing into a slot
+// that has since been reused. Nothing here synchronises with the device, and nothing thrown here
+// ever reaches the autograd engine: errors are counted and read from Python.
+
+#include <torch/extension.h>
+#include <torch/csrc/autograd/function.h>
+#include <torch/csrc/autograd/function_hook.h>
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <optional>
+#include <string>
+#include <vector>
+
+#ifdef FADIAG_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime_api.h>
+#endif
+
+namespace {
+
+using torch::autograd::variable_list;
+
+constexpr int64_t kChunk = 1024;
+constexpr int64_t kMaxChunks = 1024;  // a million slots: far beyond any step's calls
+
+struct Slot {
+  std::atomic<uint32_t> generation{0};
+  std::atomic<bool> recorded{false};
+  int64_t host_ns = 0;
+#ifdef FADIAG_CUDA
+  cudaEvent_t event = nullptr;
+  int device = -1;
+#endif
+};
+
+class Pool {
+ public:
+  explicit Pool(bool cuda) : cuda_(cuda) {
+#ifndef FADIAG_CUDA
+    TORCH_CHECK(!cuda, "fadiag native marks were built without CUDA");
+#endif
+    for (auto& c : chunks_) c.store(nullptr);
+  }
+
+  ~Pool() {
+    for (auto& c : chunks_) {
+      Slot* chunk = c.load();
+      if (chunk == nullptr) continue;
+#ifdef FADIAG_CUDA
+      for (int64_t i = 0; i < kChunk; ++i) {
+        if (chunk[i].event != nullptr) cudaEventDestroy(chunk[i].event);
+      }
+#endif
+      delete[] chunk;
+    }
+  }
+
+  // Make slots [0, n) exist. Called from Python (under the GIL) before handing a slot out.
+  void ensure(int64_t n) {
+    TORCH_CHECK(n <= kChunk * kMaxChunks, "too many fadiag marks: ", n);
+    for (int64_t c = 0; c * kChunk < n; ++c) {
+      if (chunks_[c].load(std::memory_order_acquire) == nullptr) {
+        chunks_[c].store(new Slot[kChunk], std::memory_order_release);
+      }
+    }
+  }
+
+  // Take a mark now. Never throws (hooks call it): failures go to the error counter.
+  bool mark(int64_t slot, uint32_t generation, bool check_generation) noexcept {
+    Slot* s = at(slot);
+    if (s == nullptr) {
+      errors_.fetch_add(1);
+      return false;
+    }
+    if (check_generation && s->generation.load(std::memory_order_acquire) != generation) {
+      return false;  // the slot was released and reused: this hook's call is long gone
+    }
+    if (cuda_) {
+#ifdef FADIAG_CUDA
+      int device = 0;
+      if (cudaGetDevice(&device) != cudaSuccess || !ensure_event(s, device)) {
+        cudaGetLastError();
+        errors_.fetch_add(1);
+        return false;
+      }
+      cudaStream_t stream =
+          c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+      if (cudaEventRecord(s->event, stream) != cudaSuccess) {
+        cudaGetLastError();
+        errors_.fetch_add(1);
+        return false;
+      }
+#endif
+    } else {
+      s->host_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                       std::chrono::steady_clock::now().time_since_epoch())
+                       .count();
+    }
+    s->recorded.store(true, std::memory_order_release);
+    return true;
+  }
+
+  bool recorded(int64_t slot) const {
+    const Slot* s = at(slot);
+    return s != nullptr && s->recorded.load(std::memory_order_acquire);
+  }
+
+  // True once the device has passed the mark (an event query; no synchronisation).
+  bool done(int64_t slot) {
+    Slot* s = at(slot);
+    if (s == nullptr || !s->recorded.load(std::memory_order_acquire)) return false;
+    if (!cuda_) return true;
+#ifdef FADIAG_CUDA
+    cudaError_t r = cudaEventQuery(s->event);
+    if (r == cudaSuccess) return true;
+    cudaGetLastError();
+    TORCH_CHECK(r == cudaErrorNotReady, "cudaEventQuery: ", cudaGetErrorString(r));
+#endif
+    return false;
+  }
+
+  // Seconds between two done marks; call only after done() was true for both.
+  double elapsed(int64_t a, int64_t b) {
+    Slot* sa = at(a);
+    Slot* sb = at(b);
+    TORCH_CHECK(sa != nullptr && sb != nullptr, "unknown fadiag mark");
+    if (!cuda_) return static_cast<double>(sb->host_ns - sa->host_ns) * 1e-9;
+#ifdef FADIAG_CUDA
+    float ms = 0.0f;
+    cudaError_t r = cudaEventElapsedTime(&ms, sa->event, sb->event);
+    if (r != cudaSuccess) {
+      cudaGetLastError();
+      TORCH_CHECK(false, "cudaEventElapsedTime: ", cudaGetErrorString(r));
+    }
+    return static_cast<double>(ms) * 1e-3;
+#else
+    return 0.0;
+#endif
+  }
+
+  // The slot may be handed out again; hooks still holding it are disarmed.
+  void release(int64_t slot) {
+    Slot* s = at(slot);
+    if (s == nullptr) return;
+    s->recorded.store(false, std::memory_order_release);
+    s->generation.fetch_add(1, std::memory_order_acq_rel);
+  }
+
+  uint32_t generation(int64_t slot) const {
+    const Slot* s = at(slot);
+    return s == nullptr ? 0 : s->generation.load(std::memory_order_acquire);
+  }
+
+  int64_t events_created() const { return created_.load(); }
+  int64_t errors() const { return errors_.load(); }
+  int64_t backward_starts() const { return backward_starts_.load(); }
+  int64_t in_backward() const { return in_backward_.load(); }
+  void backward_started() {
+    in_backward_.fetch_add(1);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      backward_starts_.fetch_add(1);
+    }
+    cv_.notify_all();
+  }
+
+  // Block (the caller has released the GIL) until a backward starts after `seen` starts, or
+  // `timeout_s` passes; returns the count of starts.
+  int64_t wait_backward(int64_t seen, double timeout_s) {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                 [&] { return backward_starts_.load() > seen; });
+    return backward_starts_.load();
+  }
+  void backward_ended() {
+    int64_t v = in_backward_.load();
+    while (v > 0 && !in_backward_.compare_exchange_weak(v, v - 1)) {
+    }
+  }
+  void reset_in_backward() { in_backward_.store(0); }
+
+ private:
+  Slot* at(int64_t slot) const {
+    if (slot < 0 || slot >= kChunk * kMaxChunks) return nullptr;
+    Slot* chunk = chunks_[slot / kChunk].load(std::memory_order_acquire);
+    return chunk == nullptr ? nullptr : &chunk[slot % kChunk];
+  }
+
+#ifdef FADIAG_CUDA
+  bool ensure_event(Slot* s, int device) {
+    if (s->event != nullptr && s->device == device) return true;
+    if (s->event != nullptr) cudaEventDestroy(s->event);
+    s->event = nullptr;
+    if (cudaEventCreateWithFlags(&s->event, cudaEventDefault) != cudaSuccess) return false;
+    s->device = device;
+    created_.fetch_add(1);
+    return true;
+  }
+#endif
+
+  bool cuda_;
+  std::atomic<Slot*> chunks_[kMaxChunks];
+  std::atomic<int64_t> created_{0};
+  std::atomic<int64_t> errors_{0};
+  std::atomic<int64_t> backward_starts_{0};
+  std::atomic<int64_t> in_backward_{0};
+  std::mutex mu_;
+  std::condition_variable cv_;
+};
+
+// Backward start: the first time the node runs, before its kernels are queued.
+struct StartHook : torch::autograd::FunctionPreHook {
+  StartHook(std::shared_ptr<Pool> pool, int64_t slot, uint32_t generation)
+      : pool_(std::move(pool)), slot_(slot), generation_(generation) {}
+
+  variable_list operator()(const variable_list& grads) override {
+    if (!fired_) {
+      fired_ = true;
+      if (pool_->mark(slot_, generation_, true)) pool_->backward_started();
+    }
+    return grads;
+  }
+
+  std::shared_ptr<Pool> pool_;
+  int64_t slot_;
+  uint32_t generation_;
+  bool fired_ = false;
+};
+
+// Backward end: after the node that produces the gradients of q, k and v has run.
+struct EndHook : torch::autograd::FunctionPostHook {
+  EndHook(std::shared_ptr<Pool> pool, int64_t slot, uint32_t generation)
+      : pool_(std::move(pool)), slot_(slot), generation_(generation) {}
+
+  variable_list operator()(const variable_list& grad_inputs,
+                           const variable_list& /*grad_outputs*/) override {
+    if (!fired_) {
+      fired_ = true;
+      if (pool_->mark(slot_, generation_, true)) pool_->backward_ended();
+    }
+    return grad_inputs;
+  }
+
+  std::shared_ptr<Pool> pool_;
+  int64_t slot_;
+  uint32_t generation_;
+  bool fired_ = false;
+};
+
+class Marks {
+ public:
+  explicit Marks(bool cuda) : pool_(std::make_shared<Pool>(cuda)) {}
+
+  void ensure(int64_t n) { pool_->ensure(n); }
+  bool mark(int64_t slot) { return pool_->mark(slot, 0, false); }
+  // None (a Python-hooked call whose backward has not run) is not recorded.
+  bool recorded(std::optional<int64_t> slot) const { return slot && pool_->recorded(*slot); }
+  bool done(int64_t slot) { return pool_->done(slot); }
+  double elapsed(int64_t a, int64_t b) { return pool_->elapsed(a, b); }
+  void release(int64_t slot) { pool_->release(slot); }
+
+  // Hook the backward of `out`'s autograd node (start) and of the node `path` leads to from it
+  // (end: the fused attention node). False when `out` has no grad_fn or the path is broken.
+  bool hook(const at::Tensor& out, int64_t start_slot, int64_t end_slot,
+            const std::vector<int64_t>& path) {
+    const auto& node = out.grad_fn();
+    if (!node) return false;
+    auto end = node;  // shared_ptr or intrusive_ptr, depending on the torch version
+    for (int64_t i : path) {
+      if (i < 0 || static_cast<uint32_t>(i) >= end->num_outputs()) return false;
+      end = end->next_edge(static_cast<size_t>(i)).function;
+      if (!end) return false;
+    }
+    node->add_pre_hook(std::make_unique<StartHook>(pool_, start_slot, pool_->generation(start_slot)));
+    end->add_post_hook(std::make_unique<EndHook>(pool_, end_slot, pool_->generation(end_slot)));
+    return true;
+  }
+
+  int64_t events_created() const { return pool_->events_created(); }
+  int64_t errors() const { return pool_->errors(); }
+  int64_t backward_starts() const { return pool_->backward_starts(); }
+  int64_t in_backward() const { return pool_->in_backward(); }
+  void reset_in_backward() { pool_->reset_in_backward(); }
+  int64_t wait_backward(int64_t seen, double timeout_s) {
+    return pool_->wait_backward(seen, timeout_s);
+  }
+
+ private:
+  std::shared_ptr<Pool> pool_;
+};
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "fadiag timing marks taken in C++ (forward marks and autograd node hooks)";
+#ifdef FADIAG_CUDA
+  m.attr("cuda") = true;
+#else
+  m.attr("cuda") = false;
+#endif
+  pybind11::class_<Marks>(m, "Marks")
+      .def(pybind11::init<bool>(), pybind11::arg("cuda"))
+      .def("ensure", &Marks::ensure)
+      .def("mark", &Marks::mark)
+      .def("recorded", &Marks::recorded)
+      .def("done", &Marks::done)
+      .def("elapsed", &Marks::elapsed)
+      .def("release", &Marks::release)
+      .def("hook", &Marks::hook)
+      .def("events_created", &Marks::events_created)
+      .def("errors", &Marks::errors)
+      .def("backward_starts", &Marks::backward_starts)
+      .def("in_backward", &Marks::in_backward)
+      .def("reset_in_backward", &Marks::reset_in_backward)
+      .def("wait_backward", &Marks::wait_backward,
+           pybind11::call_guard<pybind11::gil_scoped_release>());
+}

@@ -1,0 +1,107 @@
+"""Native timing marks: `_native/marks.cpp`, built with torch's extension builder on first use.
+
+With them a measured call costs four C++ marks and no Python on the backward: the two backward
+marks are autograd node hooks written in C++, so the autograd engine never takes the GIL for
+fadiag. Building needs a C++ compiler and ninja (and the CUDA headers for the CUDA build); the
+result is cached by torch per torch/Python/CUDA version, so later processes only load it.
+Without a toolchain everything works the same with Python marks, at a higher host cost.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+log = logging.getLogger("fadiag")
+
+SOURCE = Path(__file__).parent / "_native" / "marks.cpp"
+
+_lock = threading.Lock()
+_modules: dict[str, ModuleType] = {}
+_failures: dict[str, str] = {}
+_building: set[str] = set()
+
+
+def module_name(kind: str) -> str:
+    return f"fadiag_marks_{kind}"
+
+
+def load(kind: str) -> ModuleType | None:
+    """Build (or load the cached build of) the extension for `kind` ("cuda" or "cpu").
+
+    Blocks while building. Returns None, and remembers why, if it cannot be built here.
+    """
+    with _lock:
+        if kind in _modules:
+            return _modules[kind]
+        if kind in _failures:
+            return None
+    try:
+        module = _build(kind)
+    except Exception as e:  # no compiler, no ninja, no CUDA headers, a failed compile
+        reason = f"{type(e).__name__}: {_first_line(e)}"
+        with _lock:
+            _failures[kind] = reason
+        log.info("fadiag: native marks for %s unavailable (%s); using Python marks", kind, reason)
+        return None
+    with _lock:
+        _modules[kind] = module
+    return module
+
+
+def load_in_background(kind: str, on_ready: Callable[[ModuleType], None]) -> None:
+    """Build or load in a daemon thread and call `on_ready(module)` there if it works."""
+    with _lock:
+        if kind in _modules:
+            module = _modules[kind]
+        elif kind in _failures or kind in _building:
+            return
+        else:
+            module = None
+            _building.add(kind)
+    if module is not None:
+        on_ready(module)
+        return
+
+    def work() -> None:
+        try:
+            m = load(kind)
+            if m is not None:
+                on_ready(m)
+        finally:
+            with _lock:
+                _building.discard(kind)
+
+    threading.Thread(target=work, name=f"fadiag-native-build-{kind}", daemon=True).start()
+
+
+def status(kind: str) -> str:
+    """"loaded", "building", "not built" or "unavailable: <why>" (for `fadiag doctor`)."""
+    with _lock:
+        if kind in _modules:
+            return "loaded"
+        if kind in _building:
+            return "building"
+        if kind in _failures:
+            return f"unavailable: {_failures[kind]}"
+    return "not built"
+
+
+def _build(kind: str) -> ModuleType:
+    from torch.utils import cpp_extension
+
+    if os.environ.get("FADIAG_NATIVE_DISABLE", "") in ("1", "true", "yes"):
+        raise RuntimeError("FADIAG_NATIVE_DISABLE is set")
+    cuda = kind == "cuda"
+    flags = ["-O2", "-DFADIAG_CUDA"] if cuda else ["-O2"]
+    return cpp_extension.load(name=module_name(kind), sources=[str(SOURCE)], extra_cflags=flags,
+                              with_cuda=cuda, verbose=False)
+
+
+def _first_line(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return text[0][:200] if text else ""

@@ -1,0 +1,176 @@
+"""The native (C++) marks, on CPU: the same measurements as the Python marks, and safe fallbacks.
+
+The CPU build of `fadiag/_native/marks.cpp` takes host-clock marks in C++ and hooks backward nodes
+in C++, exactly as the CUDA build does with events; the CUDA build is tested on the GPU machine.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import fadiag
+from fadiag import native
+from fadiag.device import CpuTimer, NativeTimer
+from tests.models import GPT, train
+
+
+def _toolchain() -> bool:
+    return shutil.which("ninja") is not None and (shutil.which("c++") or shutil.which("g++"))
+
+
+pytestmark = pytest.mark.skipif(not _toolchain(), reason="needs a C++ compiler and ninja")
+
+
+@pytest.fixture(scope="module")
+def ext():
+    module = native.load("cpu")
+    assert module is not None, native.status("cpu")
+    return module
+
+
+def attach(**kw):
+    kw.setdefault("port", 0)
+    return fadiag.attach(**kw)
+
+
+def resolved(session):
+    assert session.flush(10)
+    return session.last_step()
+
+
+def test_native_marks_time_every_call_forward_and_backward(ext):
+    s = attach(native="on")
+    assert isinstance(s.devices.timer("cpu"), NativeTimer)
+    model = GPT(layers=3)
+    train(model, steps=3)
+    r = resolved(s)
+    assert r.step == 3 and len(r.calls) == 3
+    assert [c.site for c in r.calls] == [c.site for c in s.history()[0].calls]
+    for c in r.calls:
+        assert c.impl == "cpu_flash"
+        assert 0 < c.forward_seconds < 1 and 0 < c.backward_seconds < 1
+    assert s.errors == 0
+
+
+@pytest.mark.parametrize("mode", [None, "reentrant", "non_reentrant"])
+def test_training_is_bit_identical_with_native_marks(ext, mode):
+    def run():
+        torch.manual_seed(0)
+        model = GPT(layers=2, checkpointing=mode)
+        return train(model, steps=4), [p.detach().clone() for p in model.parameters()]
+
+    plain_losses, plain_params = run()
+    s = attach(native="on")
+    losses, params = run()
+    assert losses == plain_losses
+    assert all(torch.equal(a, b) for a, b in zip(params, plain_params, strict=True))
+    r = resolved(s)
+    assert r.backward_seconds > 0 and s.errors == 0
+    if mode is not None:  # the recomputed forwards are marked, not counted as forward time
+        assert sum(c.recompute for c in r.calls) == 2 and len(r.calls) == 4
+
+
+def test_micro_batches_are_one_step_with_native_hooks(ext):
+    """Phases (a forward after a backward) are seen through the C++ hooks' counter."""
+    s = attach(native="on")
+    train(GPT(layers=2), steps=2, micro_batches=4)
+    r = resolved(s)
+    assert r.step == 2 and len(r.calls) == 8
+    assert [c.site for c in r.calls[:2]] == [c.site for c in r.calls[2:4]]  # same sites per pass
+    assert all(c.backward_seconds > 0 for c in r.calls)
+
+
+def test_without_optimizer_each_pass_becomes_a_step_with_native_hooks(ext):
+    s = attach(native="on", **{"steps.fallback_after": 3})
+    model = GPT(layers=1)
+    for _ in range(6):
+        model(torch.randint(0, 64, (2, 16))).sum().backward()
+    model(torch.randint(0, 64, (2, 16)))  # the forward that closes the sixth pass
+    assert s.resolver.flush(10)
+    assert [len(r.calls) for r in s.history()] == [1] * 6
+    assert all(r.backward_seconds > 0 for r in s.history())
+
+
+def test_a_released_slot_disarms_the_hook_still_holding_it(ext):
+    marks = ext.Marks(False)
+    marks.ensure(4)
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    out = F.scaled_dot_product_attention(q, q, q)
+    assert marks.hook(out, 0, 1, [])
+    marks.release(0)
+    marks.release(1)
+    out.sum().backward()
+    assert not marks.recorded(0) and not marks.recorded(1)
+    assert marks.errors() == 0 and marks.in_backward() == 0
+
+
+def test_hooked_backward_fills_both_slots_once(ext):
+    marks = ext.Marks(False)
+    marks.ensure(2)
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    out = F.scaled_dot_product_attention(q, q, q)
+    assert marks.hook(out, 0, 1, [])
+    out.sum().backward(retain_graph=True)
+    assert marks.done(0) and marks.done(1)
+    first = marks.elapsed(0, 1)
+    assert first >= 0
+    out.sum().backward()  # a second backward over the same graph does not move the marks
+    assert marks.elapsed(0, 1) == first
+    assert marks.backward_starts() == 1 and marks.in_backward() == 0
+
+
+def test_hook_refuses_a_tensor_without_grad_fn_or_a_broken_path(ext):
+    marks = ext.Marks(False)
+    marks.ensure(2)
+    assert not marks.hook(torch.randn(3), 0, 1, [])
+    out = F.scaled_dot_product_attention(*(torch.randn(1, 1, 4, 4, requires_grad=True),) * 3)
+    assert not marks.hook(out, 0, 1, [99])
+
+
+def test_a_mark_that_fails_in_cpp_is_counted_as_an_internal_error(ext):
+    s = attach(native="on")
+    timer = s.devices.timer("cpu")
+    assert not timer._marks.mark(10**9)  # no such slot: counted in C++, never raised
+    train(GPT(layers=1), steps=1)
+    resolved(s)
+    assert s.errors == 1
+
+
+def test_a_failed_build_falls_back_to_python_marks(monkeypatch, caplog):
+    monkeypatch.setattr(native, "_modules", {})
+    monkeypatch.setattr(native, "_failures", {})
+
+    def no_compiler(kind):
+        raise RuntimeError("Ninja is required to load C++ extensions")
+
+    monkeypatch.setattr(native, "_build", no_compiler)
+    with caplog.at_level(logging.INFO, logger="fadiag"):
+        s = attach(native="on")
+        train(GPT(layers=1), steps=2)
+    assert isinstance(s.devices.timer("cpu"), CpuTimer)
+    assert resolved(s).backward_seconds > 0 and s.errors == 0
+    assert native.status("cpu").startswith("unavailable: RuntimeError: Ninja is required")
+    assert "native marks for cpu unavailable" in caplog.text
+
+
+@pytest.mark.parametrize("setting", ["off", "auto"])
+def test_off_and_auto_never_build_for_cpu(monkeypatch, setting):
+    def forbidden(kind):
+        raise AssertionError(f"built native marks for {kind}")
+
+    monkeypatch.setattr(native, "load", forbidden)
+    monkeypatch.setattr(native, "load_in_background", forbidden)
+    s = attach(native=setting)
+    train(GPT(layers=1), steps=2)
+    assert isinstance(s.devices.timer("cpu"), CpuTimer)
+    assert resolved(s).step == 2 and s.errors == 0
+
+
+def test_a_bad_native_setting_is_a_config_error():
+    with pytest.raises(fadiag.ConfigError, match="native must be one of"):
+        attach(native="yes")
