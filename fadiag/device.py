@@ -6,6 +6,7 @@ pool (resolved with `query()`, never a host sync) or `perf_counter_ns` integers 
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections import deque
 from typing import Any
@@ -115,6 +116,7 @@ class NativeTimer:
         self._module = module
         self._marks = extension.Marks(kind == "cuda")
         self._free: list[int] = []
+        self._counter = itertools.count()  # next() is atomic: hooks on other threads take slots too
         self._next = 0
         self._errors_seen = 0
         self.backward_starts_seen = 0
@@ -137,8 +139,8 @@ class NativeTimer:
         try:
             return self._free.pop()
         except IndexError:
-            s = self._next
-            self._next = s + 1
+            s = next(self._counter)
+            self._next = max(self._next, s + 1)
             self._marks.ensure(s + 1)
             return s
 

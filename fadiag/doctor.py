@@ -53,7 +53,7 @@ class Query:
             raise ValueError(f"dropout must be in [0, 1), got {self.dropout}")
 
 
-def diagnose(query: Query) -> dict[str, Any]:
+def diagnose(query: Query, build_native: bool = False) -> dict[str, Any]:
     """Everything `fadiag doctor` reports, as plain JSON-able data."""
     from . import __version__
 
@@ -65,8 +65,22 @@ def diagnose(query: Query) -> dict[str, Any]:
         "torch": _torch_build(),
         "devices": devices,
         "sdpa": _sdpa(query, devices),
+        "native": _native(devices, build_native),
         "packages": {name: _package(name) for name in PACKAGES},
     }
+
+
+def _native(devices: dict[str, Any], build: bool) -> dict[str, Any]:
+    """The native marks per device kind: built (cached), and with `build`, built or why not."""
+    from . import native
+
+    kinds = ["cpu"] + (["cuda"] if devices.get("cuda", {}).get("available") else [])
+    out: dict[str, Any] = {"toolchain": native.toolchain()}
+    for kind in kinds:
+        if build:
+            native.load(kind)
+        out[kind] = {"cached": native.cached(kind), "status": native.status(kind)}
+    return out
 
 
 def _torch_build() -> dict[str, Any]:
@@ -299,6 +313,14 @@ def format_text(report: dict[str, Any]) -> str:
     off = [k for k, v in s["enabled"].items() if not v]
     if off:
         lines.append(f"  disabled by torch.backends.cuda flags: {', '.join(off)}")
+    n = report["native"]
+    tc = n["toolchain"]
+    lines += ["", f"native marks (compiler {tc['compiler'] or 'not found'}, "
+                  f"ninja {tc['ninja'] or 'not found'})"]
+    for kind, st in n.items():
+        if kind != "toolchain":
+            lines.append(f"  {kind:<5} {'built' if st['cached'] else 'not built'}"
+                         + ("" if st["status"] == "not built" else f"; {st['status']}"))
     lines += ["", "packages"]
     for name, p in report["packages"].items():
         if p["importable"]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -89,6 +90,23 @@ def status(kind: str) -> str:
         if kind in _failures:
             return f"unavailable: {_failures[kind]}"
     return "not built"
+
+
+def toolchain() -> dict[str, str | None]:
+    """Where the C++ compiler and ninja the build needs are (None: not found)."""
+    compiler = os.environ.get("CXX", "c++")
+    return {"compiler": shutil.which(compiler) or shutil.which("g++"), "ninja": shutil.which("ninja")}
+
+
+def cached(kind: str) -> bool:
+    """Whether a build for `kind` is already in torch's extension cache (loading is then fast)."""
+    try:
+        from torch.utils import cpp_extension
+
+        folder = Path(cpp_extension._get_build_directory(module_name(kind), verbose=False))
+    except Exception:
+        return False
+    return any(folder.glob(f"{module_name(kind)}*.so")) or any(folder.glob(f"{module_name(kind)}*.pyd"))
 
 
 def _build(kind: str) -> ModuleType:

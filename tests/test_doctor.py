@@ -78,6 +78,22 @@ def test_cuda_verdicts_come_from_torchs_checks_with_their_warnings(
     assert sdpa["chosen"] == "efficient"
 
 
+def test_native_marks_are_reported_and_built_on_request(capsys: pytest.CaptureFixture[str],
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    from fadiag import native
+
+    built = []
+    monkeypatch.setattr(native, "load", lambda kind: built.append(kind))
+    report = diagnose(Query(device="cpu"))
+    assert set(report["native"]["toolchain"]) == {"compiler", "ninja"}
+    assert report["native"]["cpu"]["status"] in ("not built", "loaded", "building") \
+        or report["native"]["cpu"]["status"].startswith("unavailable")
+    assert built == []  # only --build-native builds
+    assert main(["doctor", "--device", "cpu", "--build-native"]) == 0
+    assert built and built[0] == "cpu"
+    assert "native marks (compiler" in capsys.readouterr().out
+
+
 def test_json_output_is_the_whole_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--device", "cpu", "--json", "--seq-len", "128"]) == 0
     report = json.loads(capsys.readouterr().out)

@@ -7,7 +7,8 @@ in C++, exactly as the CUDA build does with events; the CUDA build is tested on 
 from __future__ import annotations
 
 import logging
-import shutil
+import os
+import sysconfig
 
 import pytest
 import torch
@@ -20,10 +21,12 @@ from tests.models import GPT, train
 
 
 def _toolchain() -> bool:
-    return shutil.which("ninja") is not None and (shutil.which("c++") or shutil.which("g++"))
+    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    return headers and all(native.toolchain().values())
 
 
-pytestmark = pytest.mark.skipif(not _toolchain(), reason="needs a C++ compiler and ninja")
+pytestmark = pytest.mark.skipif(not _toolchain(),
+                                reason="needs a C++ compiler, ninja and the Python headers")
 
 
 @pytest.fixture(scope="module")

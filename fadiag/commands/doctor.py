@@ -28,6 +28,9 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--dropout", type=_args.probability, default=0.0, help="attention dropout (default 0)")
     p.add_argument("--no-causal", dest="causal", action="store_false",
                    help="check a non-causal call (default: causal)")
+    p.add_argument("--build-native", action="store_true",
+                   help="build (or load) the native timing marks for this machine's devices and "
+                        "report the result; later runs then load them at once")
     p.add_argument("--json", action="store_true", help="print the report as JSON")
     p.set_defaults(func=run)
 
@@ -42,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
         dtype = "float32" if device == "cpu" else "bfloat16"
     query = Query(device=device, batch=args.batch, heads=args.heads, seq_len=args.seq_len,
                   head_dim=args.head_dim, dtype=dtype, causal=args.causal, dropout=args.dropout)
-    report = diagnose(query)
+    report = diagnose(query, build_native=args.build_native)
     print(json.dumps(report, indent=2) if args.json else format_text(report))
     # The report is the product; a requested device that is missing is the one failing finding.
     return 1 if "error" in report["sdpa"] else 0
