@@ -19,9 +19,11 @@ from .recorder import Call, ClosedStep
 from .records import CallRecord, StepReport
 
 _POLL_S = 0.02
+"""How often the thread looks again while flush() waits for marks the device has not passed."""
+_BATCH_S = 0.1
+"""How often it looks otherwise: closed steps are resolved in batches."""
 _DEFER_S = 0.5
 """With native marks a closed step waits, at most this long, for the next backward to start."""
-_IDLE_S = 0.25
 _TICK_S = 0.5
 _BACKWARD_GRACE_S = 5.0
 _RSS_EVERY_S = 0.5
@@ -47,14 +49,18 @@ class Resolver:
         self._on_tick = on_tick
         self._on_error = on_error
         self._native_timers = native_timers
-        self._wait_from: int | None = None
-        self._queue: queue.SimpleQueue[ClosedStep | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[ClosedStep] = queue.SimpleQueue()
         self._pending: collections.deque[ClosedStep] = collections.deque()
         self._stop = threading.Event()
         self._idle = threading.Event()
         self._idle.set()
         self._hurry = threading.Event()
         """Set by flush(): someone waits for the results, so nothing is deferred."""
+        self._wake = threading.Event()
+        self._count_lock = threading.Lock()
+        self._submitted = 0
+        self._finished = 0
+        """Steps resolved or dropped; idle when it equals the steps submitted."""
         self._mem_before: dict[str, dict[str, int]] = {}
         self._process = psutil.Process()
         self._rss: int | None = None
@@ -66,22 +72,26 @@ class Resolver:
         self._thread.start()
 
     def submit(self, step: ClosedStep) -> None:
-        self._idle.clear()
+        """Hand over a closed step; it wakes nothing (the thread looks every _BATCH_S)."""
+        with self._count_lock:
+            self._submitted += 1
+            self._idle.clear()
         self._queue.put(step)
 
     def stop(self, timeout: float = 5.0) -> None:
         """Resolve what is pending (up to `timeout`), then end the thread."""
         self.flush(timeout)
         self._stop.set()
-        self._queue.put(None)
+        self._wake.set()
         if self._thread.is_alive():
             self._thread.join(timeout)
 
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every submitted step is resolved; True if it happened in time."""
         if not self._thread.is_alive():
-            return self._queue.empty() and not self._pending
+            return self._finished == self._submitted
         self._hurry.set()
+        self._wake.set()
         try:
             return self._idle.wait(timeout)
         finally:
@@ -94,23 +104,21 @@ class Resolver:
 
     def _run(self) -> None:
         while not self._stop.is_set():
-            # With native marks and steps pending, the wait is in _defer() instead of here.
-            block = not (self._pending and self._native_timers())
+            # Woken only by the clock, flush() and stop(): every wake has to take the GIL from
+            # the training thread, and on a busy host each one costs it far more than the work.
+            self._wake.wait(_POLL_S if self._hurry.is_set() else _BATCH_S)
+            self._wake.clear()
             try:
-                if block:
-                    item = self._queue.get(timeout=_POLL_S if self._pending else _IDLE_S)
-                    if item is not None:
-                        self._pending.append(item)
-                while True:  # drain without waiting
-                    item = self._queue.get_nowait()
-                    if item is not None:
-                        self._pending.append(item)
+                while True:
+                    self._pending.append(self._queue.get_nowait())
             except queue.Empty:
                 pass
             try:
-                if not (self._pending and self._defer()):
-                    while self._pending and self._try_resolve(self._pending[0]):
-                        self._pending.popleft()
+                if self._pending:
+                    self._await_backward()
+                while self._pending and self._try_resolve(self._pending[0]):
+                    self._pending.popleft()
+                    self._finished += 1
                 now = time.monotonic()
                 if now >= self._next_tick:
                     self._next_tick = now + _TICK_S
@@ -119,30 +127,30 @@ class Resolver:
                 self._on_error("resolver", e)
                 if self._pending:
                     self._pending.popleft()  # a step that cannot be resolved is dropped, once
-            if not self._pending and self._queue.empty():
-                self._idle.set()
+                    self._finished += 1
+            with self._count_lock:
+                if self._finished == self._submitted:
+                    self._idle.set()
 
-    def _defer(self) -> bool:
+    def _await_backward(self) -> None:
         """With native marks, wait for the next backward to start before resolving.
 
         While backward() runs, the training thread has released the GIL and the autograd engine
         runs without it (the native hooks need none), so resolving then takes nothing from the
-        step. The wait itself holds no GIL. Gives up after _DEFER_S: no backward is coming
-        (evaluation, the end of training, a long step), and the step is resolved anyway.
+        step. The wait holds no GIL and ends at the first backward start; it gives up _DEFER_S
+        after the oldest pending step closed (evaluation, the end of training, a long step), or
+        when flush() or stop() asks.
         """
         timers = self._native_timers()
-        if not timers or self._stop.is_set() or self._hurry.is_set():
-            return False
-        if time.monotonic() - self._pending[0].closed >= _DEFER_S:
-            self._wait_from = None
-            return False
+        if not timers:
+            return
         t = timers[-1]
-        if self._wait_from is None:
-            self._wait_from = t.backward_starts()
-        if t.wait_backward(self._wait_from, _POLL_S) > self._wait_from:
-            self._wait_from = None
-            return False
-        return True
+        seen = t.backward_starts()
+        deadline = self._pending[0].closed + _DEFER_S
+        while not (self._stop.is_set() or self._hurry.is_set()):
+            left = deadline - time.monotonic()
+            if left <= 0 or t.wait_backward(seen, min(left, _BATCH_S)) > seen:
+                return
 
     def _try_resolve(self, step: ClosedStep) -> bool:
         now = time.monotonic()

@@ -69,8 +69,10 @@ class Pool {
 
   // Make slots [0, n) exist. Called from Python (under the GIL) before handing a slot out.
   void ensure(int64_t n) {
-    TORCH_CHECK(n <= kChunk * kMaxChunks, "too many fadiag marks: ", n);
-    for (int64_t c = 0; c * kChunk < n; ++c) {
+    TORCH_CHECK(n >= 1 && n <= kChunk * kMaxChunks, "fadiag marks out of range: ", n);
+    const int64_t last = (n - 1) / kChunk;
+    if (chunks_[last].load(std::memory_order_acquire) != nullptr) return;
+    for (int64_t c = 0; c <= last; ++c) {
       if (chunks_[c].load(std::memory_order_acquire) == nullptr) {
         chunks_[c].store(new Slot[kChunk], std::memory_order_release);
       }
