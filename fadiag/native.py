@@ -13,6 +13,7 @@ import logging
 import os
 import shutil
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -100,13 +101,38 @@ def toolchain() -> dict[str, str | None]:
 
 def cached(kind: str) -> bool:
     """Whether a build for `kind` is already in torch's extension cache (loading is then fast)."""
+    folder = _build_dir(kind)
+    if folder is None:
+        return False
+    return any(folder.glob(f"{module_name(kind)}*.so")) or any(folder.glob(f"{module_name(kind)}*.pyd"))
+
+
+def _build_dir(kind: str) -> Path | None:
+    """torch's cache folder for this build (through a private helper of torch's; None if gone)."""
     try:
         from torch.utils import cpp_extension
 
-        folder = Path(cpp_extension._get_build_directory(module_name(kind), verbose=False))
+        return Path(cpp_extension._get_build_directory(module_name(kind), verbose=False))
     except Exception:
-        return False
-    return any(folder.glob(f"{module_name(kind)}*.so")) or any(folder.glob(f"{module_name(kind)}*.pyd"))
+        return None
+
+
+STALE_LOCK_S = 600.0
+"""torch's build lock left by a process killed mid-build makes every later build wait forever."""
+
+
+def clear_stale_lock(folder: Path, now: float | None = None) -> bool:
+    """Remove torch's build lock in `folder` if it is older than any build takes."""
+    lock = folder / "lock"
+    try:
+        age = (time.time() if now is None else now) - lock.stat().st_mtime
+        if age > STALE_LOCK_S:
+            lock.unlink()
+            log.warning("fadiag: removed a stale extension build lock (%.0f s old): %s", age, lock)
+            return True
+    except OSError:
+        pass
+    return False
 
 
 def _build(kind: str) -> ModuleType:
@@ -114,6 +140,9 @@ def _build(kind: str) -> ModuleType:
 
     if os.environ.get("FADIAG_NATIVE_DISABLE", "") in ("1", "true", "yes"):
         raise RuntimeError("FADIAG_NATIVE_DISABLE is set")
+    folder = _build_dir(kind)
+    if folder is not None:
+        clear_stale_lock(folder)
     cuda = kind == "cuda"
     flags = ["-O2", "-DFADIAG_CUDA"] if cuda else ["-O2"]
     return cpp_extension.load(name=module_name(kind), sources=[str(SOURCE)], extra_cflags=flags,

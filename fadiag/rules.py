@@ -235,6 +235,11 @@ def _ratio_advice(r: float, threshold: float, s: SiteSummary | None, n_over: int
     elif s.shape[2] <= 512:
         why = (f" — short sequence (S={s.shape[2]}): the step is launch-bound and backward ≈4x forward "
                "is normal here; raise rules.backward_forward_ratio.min_forward_seconds to ignore it")
+    elif s.shape[2] <= 2048 and s.impl in ("flash", "cudnn"):
+        why = (f" — {s.impl} at S={s.shape[2]}: backward does 2.5x forward's FLOPs, but these "
+               "kernels' backward is less efficient than their forward at short lengths (3.0-3.6x "
+               "measured on an H200 with torch 2.11, benchmarks/BENCHMARKS.md); if that is what "
+               "this job runs, raise rules.backward_forward_ratio.threshold")
     else:
         why = (" — backward does 2.5x forward's FLOPs; above 3x the backward kernel is inefficient "
                "for this shape: try another backend (fadiag bench) or a newer kernel version")

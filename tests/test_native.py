@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sysconfig
+import time
 
 import pytest
 import torch
@@ -177,3 +178,26 @@ def test_off_and_auto_never_build_for_cpu(monkeypatch, setting):
 def test_a_bad_native_setting_is_a_config_error():
     with pytest.raises(fadiag.ConfigError, match="native must be one of"):
         attach(native="yes")
+
+
+def test_steps_resolve_without_flush_when_no_backward_follows(ext):
+    """The resolver waits for the next backward only up to its deferral limit."""
+    s = attach(native="on")
+    train(GPT(layers=1), steps=3)
+    deadline = time.monotonic() + 5.0
+    while time.monotonic() < deadline and (s.last_step() is None or s.last_step().step < 3):
+        time.sleep(0.05)
+    assert s.last_step() is not None and s.last_step().step == 3
+    assert s.last_step().backward_seconds > 0 and s.errors == 0
+
+
+def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    now = lock.stat().st_mtime
+    assert not native.clear_stale_lock(tmp_path, now=now + 60)  # another process is building
+    assert lock.exists()
+    with caplog.at_level(logging.WARNING, logger="fadiag"):
+        assert native.clear_stale_lock(tmp_path, now=now + native.STALE_LOCK_S + 1)
+    assert not lock.exists() and "stale extension build lock" in caplog.text
+    assert not native.clear_stale_lock(tmp_path)  # nothing there: nothing to do

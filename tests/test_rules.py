@@ -193,3 +193,21 @@ def test_a_flag_callback_that_raises_is_counted_and_training_continues():
     raised = [f for r in s.history() for f in r.flags]
     assert raised and s.errors == len(raised)  # each failed delivery counted
     assert s.last_step() is not None
+
+
+@pytest.mark.parametrize(("impl", "s", "expected"), [
+    ("flash", 1024, "3.0-3.6x measured on an H200"),
+    ("cudnn", 2048, "3.0-3.6x measured on an H200"),
+    ("flash", 4096, "the backward kernel is inefficient for this shape"),
+    ("efficient", 4096, "mem-efficient backend at S=4096"),
+    ("cpu_flash", 256, "short sequence (S=256)"),
+])
+def test_ratio_message_says_what_is_normal_for_the_backend_and_length(impl, s, expected):
+    from fadiag.records import SiteSummary
+    from fadiag.rules import _ratio_advice
+
+    site = SiteSummary(site="m.py:1#0", impl=impl, shape=(4, 16, s, s, 128), dtype="float16",
+                       calls=1, forward_seconds=1e-3, backward_seconds=3.4e-3, kept_bytes=None,
+                       standard_bytes=1)
+    message = _ratio_advice(3.4, 3.0, site, 1, 1)
+    assert message.startswith("backward/forward 3.40x > 3x") and expected in message
