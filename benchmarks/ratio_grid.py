@@ -23,21 +23,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fadiag  # noqa: E402
+from tests.models import GpuBusy  # noqa: E402
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}
-
-
-class GpuBusy(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        torch.cuda._sleep(2_000_000)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        torch.cuda._sleep(2_000_000)
-        return g
 
 
 def ratio(backend: str, s: int, d: int, causal: bool, dtype: torch.dtype, tokens: int) -> dict:

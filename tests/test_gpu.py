@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fadiag
-from tests.models import GPT
+from tests.models import GPT, GpuBusy
 
 pytestmark = [
     pytest.mark.gpu,
@@ -48,23 +48,6 @@ def attach(marks, **kw):
 
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
-
-
-class GpuBusy(torch.autograd.Function):
-    """Keeps the GPU ~1 ms ahead of the host in forward and in backward, as in GPU-bound training.
-
-    Without it a lone attention call starves the GPU and events measure the host's launch gaps.
-    """
-
-    @staticmethod
-    def forward(ctx, x):
-        torch.cuda._sleep(2_000_000)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        torch.cuda._sleep(2_000_000)
-        return g
 
 
 def qkv(s, b=1, h=16, d=128, dtype=torch.float16):

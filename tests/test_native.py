@@ -100,12 +100,18 @@ def test_without_optimizer_each_pass_becomes_a_step_with_native_hooks(ext):
     assert all(r.backward_seconds > 0 for r in s.history())
 
 
-def test_a_released_slot_disarms_the_hook_still_holding_it(ext):
+def hooked(ext):
+    """A CPU pool whose slots 0 and 1 are hooked to the backward of one SDPA call."""
     marks = ext.Marks(False)
-    marks.ensure(4)
+    marks.ensure(2)
     q = torch.randn(1, 2, 8, 4, requires_grad=True)
     out = F.scaled_dot_product_attention(q, q, q)
     assert marks.hook(out, 0, 1, [])
+    return marks, out
+
+
+def test_a_released_slot_disarms_the_hook_still_holding_it(ext):
+    marks, out = hooked(ext)
     marks.release(0)
     marks.release(1)
     out.sum().backward()
@@ -114,11 +120,7 @@ def test_a_released_slot_disarms_the_hook_still_holding_it(ext):
 
 
 def test_hooked_backward_fills_both_slots_once(ext):
-    marks = ext.Marks(False)
-    marks.ensure(2)
-    q = torch.randn(1, 2, 8, 4, requires_grad=True)
-    out = F.scaled_dot_product_attention(q, q, q)
-    assert marks.hook(out, 0, 1, [])
+    marks, out = hooked(ext)
     out.sum().backward(retain_graph=True)
     assert marks.done(0) and marks.done(1)
     first = marks.elapsed(0, 1)
