@@ -240,6 +240,33 @@ def host_cost_per_call(n: int = 2000) -> dict:
     return res
 
 
+def memory_over_steps(steps: int) -> dict:
+    """fadiag's host (RSS) and device memory over `steps` launch-bound steps, every call timed."""
+    import psutil
+
+    model, step = make("launch_bound")
+    session = fadiag.attach(port=0)
+    try:
+        for _ in range(200):  # warm-up: signatures learned, pools filled
+            step()
+        assert session.flush(30)
+        proc = psutil.Process()
+        rss0, dev0 = proc.memory_info().rss, torch.cuda.memory_allocated()
+        marks0 = session.devices.timer("cuda").pool_size()
+        for _ in range(steps):
+            step()
+        assert session.flush(60)
+        rss1, dev1 = proc.memory_info().rss, torch.cuda.memory_allocated()
+        marks1 = session.devices.timer("cuda").pool_size()
+    finally:
+        fadiag.detach()
+    out = {"steps": steps, "rss_before": rss0, "rss_after": rss1, "device_before": dev0,
+           "device_after": dev1, "marks_before": marks0, "marks_after": marks1}
+    print(f"over {steps} steps: RSS {rss0 / 2**20:.1f} -> {rss1 / 2**20:.1f} MiB, device "
+          f"{dev0} -> {dev1} bytes, marks {marks0} -> {marks1}", flush=True)
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--out", default="overhead.json")
@@ -247,6 +274,8 @@ def main() -> None:
     p.add_argument("--models", default="gpu_bound,launch_bound")
     p.add_argument("--pairs", type=int, default=20)
     p.add_argument("--launch-steps", type=int, default=30, help="steps per launch-bound block")
+    p.add_argument("--memory-steps", type=int, default=0,
+                   help="also measure host RSS and device memory over this many steps (e.g. 10000)")
     args = p.parse_args()
     variants = args.variants.split(",")
     from fadiag import native
@@ -256,10 +285,12 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     result["host_cost"] = host_cost_per_call()
-    for m in args.models.split(","):
+    for m in filter(None, args.models.split(",")):  # --models "" measures memory only
         steps = 5 if m == "gpu_bound" else args.launch_steps
         pairs = args.pairs if m == "gpu_bound" else max(args.pairs, 30)
         result[m] = measure(m, variants, pairs, steps)
+    if args.memory_steps:
+        result["memory"] = memory_over_steps(args.memory_steps)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(result, indent=1))
 

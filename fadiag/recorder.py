@@ -291,7 +291,7 @@ class Recorder:
             t = op.output(out)
             sig = call.sig
             if (sig is not None and qkv is not None and call.timer.native
-                    and sig.fused_path is not None):
+                    and sig.fused_path is not None and not _compiled_autograd_on()):
                 # The steady state with native marks: C++ finds the node and hooks it.
                 slots = call.timer.hook_backward(t, sig.fused_path)
                 if slots is not None:
@@ -504,6 +504,20 @@ def _follow(node: Any, path: tuple[int, ...]) -> Any:
         if node is None:
             return None
     return node
+
+
+def _compiled_autograd_on() -> bool:
+    """Whether a backward may run under compiled autograd, which only takes Python hooks.
+
+    The C++ hooks cannot describe themselves to it (`compiled_args`), so those calls get the
+    Python hooks. Checked per call (a module lookup) since it can be switched on at any time.
+    """
+    ca = sys.modules.get("torch._dynamo.compiled_autograd")
+    if ca is None:
+        return False
+    config = getattr(sys.modules.get("torch._dynamo"), "config", None)
+    return bool(getattr(ca, "compiled_autograd_enabled", False)
+                or getattr(config, "compiled_autograd", False))
 
 
 def _in_reentrant_checkpoint(limit: int = 64) -> bool:

@@ -203,3 +203,38 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
         assert native.clear_stale_lock(tmp_path, now=now + native.STALE_LOCK_S + 1)
     assert not lock.exists() and "stale extension build lock" in caplog.text
     assert not native.clear_stale_lock(tmp_path)  # nothing there: nothing to do
+
+
+@pytest.mark.parametrize("around", ["backward", "forward_and_backward"])
+def test_compiled_autograd_still_trains_with_native_marks(ext, around):
+    """C++ node hooks cannot describe themselves to compiled autograd, so they opt out of its
+    graph: gradients are unchanged and nothing fails. Switched on at forward time, fadiag uses
+    Python hooks, which it runs, so those backwards are timed."""
+    from torch._dynamo import compiled_autograd
+
+    def run():
+        torch.manual_seed(0)
+        q = torch.randn(1, 2, 16, 8, requires_grad=True)
+        grads = []
+        for _ in range(3):
+            with compiled_autograd._enable(torch.compile(backend="eager")):
+                if around == "forward_and_backward":
+                    F.scaled_dot_product_attention(q, q * 2, q * 3).sum().backward()
+                else:
+                    out = F.scaled_dot_product_attention(q, q * 2, q * 3)
+            if around == "backward":
+                with compiled_autograd._enable(torch.compile(backend="eager")):
+                    out.sum().backward()
+            grads.append(q.grad.clone())
+            q.grad = None
+            fadiag.step()
+        return grads
+
+    plain = run()
+    s = attach(native="on")
+    assert all(torch.equal(a, b) for a, b in zip(run(), plain, strict=True))
+    assert s.flush(10) and s.errors == 0
+    timed = [c.backward_seconds > 0 for r in s.history() for c in r.calls]
+    assert len(timed) == 3 and timed[0]  # a signature's first call always has Python hooks
+    if around == "forward_and_backward":
+        assert all(timed)

@@ -227,6 +227,12 @@ struct StartHook : torch::autograd::FunctionPreHook {
   StartHook(std::shared_ptr<Pool> pool, int64_t slot, uint32_t generation)
       : pool_(std::move(pool)), slot_(slot), generation_(generation) {}
 
+  // Compiled autograd replays the backward without calling node hooks; a hook that does not
+  // describe itself is left out of its graph (its mark stays unrecorded), which is what the
+  // resolver expects of a backward it never saw. fadiag uses Python hooks, which compiled
+  // autograd does run, whenever it is switched on at forward time.
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {}
+
   variable_list operator()(const variable_list& grads) override {
     if (!fired_) {
       fired_ = true;
@@ -245,6 +251,8 @@ struct StartHook : torch::autograd::FunctionPreHook {
 struct EndHook : torch::autograd::FunctionPostHook {
   EndHook(std::shared_ptr<Pool> pool, int64_t slot, uint32_t generation)
       : pool_(std::move(pool)), slot_(slot), generation_(generation) {}
+
+  void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {}
 
   variable_list operator()(const variable_list& grad_inputs,
                            const variable_list& /*grad_outputs*/) override {
