@@ -19,18 +19,17 @@ import torch
 
 from . import backends
 from .device import Devices, window_peak
+from .graph import SavedBytes, compiled_autograd_on, find_fused, follow, in_reentrant_checkpoint
 from .memory import standard_bytes
 from .ops import AttentionOp, CallInfo, mask_key
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 _USER_FILES = (os.path.join("fadiag", "demo.py"),)
 """fadiag's own files that are user code (the demo's model), so their call sites are named."""
-_CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
 _get_edge = torch.autograd.graph.get_gradient_edge
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
-_top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
 
 
 def _is_compiling() -> bool:
@@ -106,37 +105,6 @@ class ClosedStep:
         self.calls = calls
         self.wall_time = time.time()
         self.closed = time.monotonic()
-
-
-class SavedBytes:
-    """Saved-tensor hooks that add up what an op keeps for backward, chained to any outer hooks.
-
-    Chaining matters: only the innermost pair of hooks applies, so replacing checkpointing's or
-    offloading's hooks would keep alive the very tensors they exist to free.
-    """
-
-    def __init__(self, inputs: tuple[Any, ...]):
-        self.exclude = {t.untyped_storage().data_ptr() for t in inputs if isinstance(t, torch.Tensor)
-                        and not t.is_nested and t.layout == torch.strided}
-        self.seen: dict[int, int] = {}
-        outer = _top_hooks(False)
-        self._outer_pack, self._outer_unpack = outer if outer is not None else (None, None)
-
-    def pack(self, t: torch.Tensor) -> Any:
-        try:
-            storage = t.untyped_storage()
-            ptr = storage.data_ptr()
-            if ptr and ptr not in self.exclude:
-                self.seen[ptr] = storage.nbytes()
-        except Exception:  # nested / sparse tensors have no plain storage
-            pass
-        return self._outer_pack(t) if self._outer_pack is not None else t
-
-    def unpack(self, packed: Any) -> Any:
-        return self._outer_unpack(packed) if self._outer_unpack is not None else packed
-
-    def total(self) -> int:
-        return sum(self.seen.values())
 
 
 class Recorder:
@@ -232,7 +200,7 @@ class Recorder:
     def begin(self, op: AttentionOp, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call | None:
         try:
             grad = _grad_enabled()
-            if not grad and not self.record_no_grad and not _in_reentrant_checkpoint():
+            if not grad and not self.record_no_grad and not in_reentrant_checkpoint():
                 return None
             if len(self.calls) >= self.max_calls:
                 self.over_cap += 1
@@ -291,7 +259,7 @@ class Recorder:
             t = op.output(out)
             sig = call.sig
             if (sig is not None and qkv is not None and call.timer.native
-                    and sig.fused_path is not None and not _compiled_autograd_on()):
+                    and sig.fused_path is not None and not compiled_autograd_on()):
                 # The steady state with native marks: C++ finds the node and hooks it.
                 slots = call.timer.hook_backward(t, sig.fused_path)
                 if slots is not None:
@@ -312,7 +280,7 @@ class Recorder:
         impl = op.impl
         fused_path = None
         if impl is None:
-            found = _find_fused(node) if node is not None else None
+            found = find_fused(node) if node is not None else None
             if found is not None:
                 impl, fused_path = found
             elif node is not None:
@@ -321,7 +289,7 @@ class Recorder:
                 impl = backends.sdpa_choice(info.q, info.k, info.v, info.mask, info.dropout,
                                             info.causal, info.kv_heads != info.shape[1]) or "unknown"
         elif node is not None:
-            found = _find_fused(node)
+            found = find_fused(node)
             fused_path = found[1] if found is not None else None
         sig = Signature(op, info, impl, call.timer.kind)
         sig.fused_path = fused_path
@@ -363,7 +331,7 @@ class Recorder:
                     sig.peak_bytes = max(sig.peak_bytes, bwd_peak)
 
         node.register_prehook(on_backward_start)
-        fused = _follow(node, sig.fused_path) if sig.fused_path is not None else None
+        fused = follow(node, sig.fused_path) if sig.fused_path is not None else None
         if fused is not None:
             call.remaining = 1
             fused.register_hook(on_backward_end)
@@ -480,53 +448,3 @@ class Recorder:
     def open_calls(self) -> list[Call]:
         """The current step's calls so far (a copy; for the hang check)."""
         return list(self.calls) + [c for phase in list(self._phases) for c in phase]
-
-
-def _find_fused(node: Any, max_nodes: int = 8) -> tuple[str, tuple[int, ...]] | None:
-    """The fused backward node near `node` and its path of next_functions indices."""
-    frontier: list[tuple[Any, tuple[int, ...]]] = [(node, ())]
-    seen = 0
-    while frontier and seen < max_nodes:
-        n, path = frontier.pop(0)
-        if n is None:
-            continue
-        seen += 1
-        impl = backends.impl_of_node(n)
-        if impl is not None:
-            return impl, path
-        frontier.extend((fn, path + (i,)) for i, (fn, _) in enumerate(n.next_functions))
-    return None
-
-
-def _follow(node: Any, path: tuple[int, ...]) -> Any:
-    for i in path:
-        node = node.next_functions[i][0]
-        if node is None:
-            return None
-    return node
-
-
-def _compiled_autograd_on() -> bool:
-    """Whether a backward may run under compiled autograd, which only takes Python hooks.
-
-    The C++ hooks cannot describe themselves to it (`compiled_args`), so those calls get the
-    Python hooks. Checked per call (a module lookup) since it can be switched on at any time.
-    """
-    ca = sys.modules.get("torch._dynamo.compiled_autograd")
-    if ca is None:
-        return False
-    config = getattr(sys.modules.get("torch._dynamo"), "config", None)
-    return bool(getattr(ca, "compiled_autograd_enabled", False)
-                or getattr(config, "compiled_autograd", False))
-
-
-def _in_reentrant_checkpoint(limit: int = 64) -> bool:
-    """True inside torch.utils.checkpoint's reentrant forward (which runs under no_grad)."""
-    frame = sys._getframe(2)
-    for _ in range(limit):
-        if frame is None:
-            return False
-        if frame.f_code.co_filename.endswith(_CHECKPOINT_FILE):
-            return True
-        frame = frame.f_back
-    return False
