@@ -26,6 +26,7 @@ _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
 _failures: dict[str, str] = {}
 _building: set[str] = set()
+_waiters: dict[str, list[Callable[[ModuleType], None]]] = {}
 
 
 def module_name(kind: str) -> str:
@@ -56,29 +57,43 @@ def load(kind: str) -> ModuleType | None:
 
 
 def load_in_background(kind: str, on_ready: Callable[[ModuleType], None]) -> None:
-    """Build or load in a daemon thread and call `on_ready(module)` there if it works."""
+    """Build or load in a daemon thread and call `on_ready(module)` there if it works.
+
+    Callers that ask while a build is under way are called when it ends.
+    """
     with _lock:
-        if kind in _modules:
-            module = _modules[kind]
-        elif kind in _failures or kind in _building:
-            return
-        else:
-            module = None
+        module = _modules.get(kind)
+        if module is None:
+            if kind in _failures:
+                return
+            _waiters.setdefault(kind, []).append(on_ready)
+            if kind in _building:
+                return
             _building.add(kind)
     if module is not None:
-        on_ready(module)
+        _call(on_ready, module)
         return
 
     def work() -> None:
+        m = None
         try:
             m = load(kind)
-            if m is not None:
-                on_ready(m)
         finally:
             with _lock:
                 _building.discard(kind)
+                waiters = _waiters.pop(kind, [])
+        if m is not None:
+            for w in waiters:
+                _call(w, m)
 
     threading.Thread(target=work, name=f"fadiag-native-build-{kind}", daemon=True).start()
+
+
+def _call(on_ready: Callable[[ModuleType], None], module: ModuleType) -> None:
+    try:
+        on_ready(module)
+    except Exception as e:  # a timer that cannot be made: Python marks stay in place
+        log.warning("fadiag: native marks loaded but not used (%s: %s)", type(e).__name__, e)
 
 
 def status(kind: str) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 import os
 import sysconfig
+import threading
 import time
 
 import pytest
@@ -238,3 +239,39 @@ def test_compiled_autograd_still_trains_with_native_marks(ext, around):
     assert len(timed) == 3 and timed[0]  # a signature's first call always has Python hooks
     if around == "forward_and_backward":
         assert all(timed)
+
+
+def test_a_background_build_serves_every_session_that_asked_during_it(monkeypatch):
+    monkeypatch.setattr(native, "_modules", {})
+    monkeypatch.setattr(native, "_failures", {})
+    monkeypatch.setattr(native, "_waiters", {})
+    release = threading.Event()
+    built = object()
+
+    def slow_build(kind):
+        release.wait(5)
+        return built
+
+    monkeypatch.setattr(native, "_build", slow_build)
+    got: list[object] = []
+    native.load_in_background("cpu", got.append)
+    native.load_in_background("cpu", got.append)  # a second session while the first builds
+    assert native.status("cpu") == "building"
+    release.set()
+    deadline = time.monotonic() + 5
+    while len(got) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert got == [built, built] and native.status("cpu") == "loaded"
+    native.load_in_background("cpu", got.append)  # later sessions get it at once
+    assert got == [built] * 3
+
+
+def test_a_callback_that_fails_leaves_python_marks_and_a_warning(monkeypatch, caplog):
+    monkeypatch.setattr(native, "_modules", {"cpu": object()})
+
+    def broken(module):
+        raise RuntimeError("no Marks here")
+
+    with caplog.at_level(logging.WARNING, logger="fadiag"):
+        native.load_in_background("cpu", broken)
+    assert "native marks loaded but not used (RuntimeError: no Marks here)" in caplog.text
