@@ -17,9 +17,10 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from where_time_goes import per_call_us  # noqa: E402  (the same tiny-call loop)
+
 import fadiag  # noqa: E402
 from fadiag import native, resolver  # noqa: E402
 from tests.models import GPT  # noqa: E402
@@ -39,13 +40,7 @@ def detach(original_submit) -> None:
 
 
 def tiny_calls(n: int) -> float:
-    q = torch.randn(1, 1, 16, 16, requires_grad=True)
-    t0 = time.perf_counter()
-    for i in range(n):
-        F.scaled_dot_product_attention(q, q, q).sum().backward()
-        if i % 6 == 5:
-            fadiag.step()
-    return (time.perf_counter() - t0) / n * 1e6
+    return per_call_us(torch.randn(1, 1, 16, 16, requires_grad=True), n)
 
 
 def gpt_steps(n: int) -> float:

@@ -62,10 +62,7 @@ class EventTimer:
         self._free: deque[Any] = deque()
         self._created = 0
         self._record = _fast_cuda_record() if kind == "cuda" else None
-        try:
-            self.name = str(module.get_device_name())
-        except Exception:
-            self.name = kind
+        self.name = _device_name(module, kind)
 
     def mark(self) -> Any:
         try:
@@ -120,12 +117,7 @@ class NativeTimer:
         self._next = 0
         self._errors_seen = 0
         self.backward_starts_seen = 0
-        self.name = "cpu"
-        if module is not None:
-            try:
-                self.name = str(module.get_device_name())
-            except Exception:
-                self.name = kind
+        self.name = _device_name(module, kind) if module is not None else "cpu"
         self._take = self._marks.mark
         self.recorded = self._marks.recorded
         self.done = self._marks.done
@@ -174,6 +166,13 @@ class NativeTimer:
 
     def pool_size(self) -> int:
         return int(self._marks.events_created()) if self.kind == "cuda" else self._next
+
+
+def _device_name(module: Any, kind: str) -> str:
+    try:
+        return str(module.get_device_name())
+    except Exception:
+        return kind
 
 
 def _allocator_stats(module: Any) -> dict[str, int]:
@@ -261,13 +260,12 @@ class Devices:
         timer = _make_timer(kind)
         if kind not in ("cuda", "cpu") or self._native == "off":
             return timer
-        if self._native == "on":
-            from . import native
+        from . import native
 
+        if self._native == "on":
             ext = native.load(kind)
             return self._adopt(kind, ext) if ext is not None else timer
         if kind == "cuda":
-            from . import native
 
             def ready(ext: Any) -> None:
                 if not self._closed:
@@ -314,9 +312,5 @@ def default_device_name() -> str:
     kind = default_device_type()
     if kind == "cpu":
         return "cpu"
-    module = torch.cuda if kind == "cuda" else torch.npu  # type: ignore[attr-defined]
-    try:
-        return str(module.get_device_name())
-    except Exception:
-        return kind
+    return _device_name(torch.cuda if kind == "cuda" else torch.npu, kind)  # type: ignore[attr-defined]
 
