@@ -6,9 +6,9 @@ pool (resolved with `query()`, never a host sync) or `perf_counter_ns` integers 
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -101,59 +101,43 @@ class EventTimer:
 class NativeTimer:
     """Marks taken by the native extension (`fadiag/native.py`): a mark is a slot number.
 
-    Besides `mark()`, it hooks a call's backward in C++ (`hook_backward`), so the two backward
-    marks need neither the GIL nor a Python call. Slots are handed out here, on the training
-    thread, and given back by the resolver; a released slot disarms any hook still holding it.
+    Besides `mark()`, it ends a forward in C++ (`finish`: the end mark, then hooks on the
+    backward), so the two backward marks need neither the GIL nor a Python call. The pool hands
+    slots out and takes them back from the resolver; a released slot disarms any hook still
+    holding it.
     """
 
     native = True
+    mark: Callable[[], int]
+    """Take a slot and mark it now."""
+    finish: Callable[[Any, tuple[int, ...]], tuple[int, int | None, int | None]]
+    """The forward's end mark, then C++ hooks on `out`'s backward (start) and on the end node that
+    `path` leads to: (forward end, backward start, backward end), the last two None when `out`
+    cannot be hooked."""
 
     def __init__(self, kind: str, extension: Any, module: Any = None):
         self.kind = kind
         self._module = module
         self._marks = extension.Marks(kind == "cuda")
-        self._free: list[int] = []
-        self._counter = itertools.count()  # next() is atomic: hooks on other threads take slots too
-        self._next = 0
         self._errors_seen = 0
         self.backward_starts_seen = 0
         self.name = _device_name(module, kind) if module is not None else "cpu"
-        self._take = self._marks.mark
+        # Bound C++ methods: each mark is one call, with no Python frame of fadiag's around it.
+        self.mark = self._marks.take
+        self.finish = self._marks.finish
         self.recorded = self._marks.recorded
         self.done = self._marks.done
         self.elapsed = self._marks.elapsed
         self.backward_starts = self._marks.backward_starts
         self.in_backward = self._marks.in_backward
         self.reset_in_backward = self._marks.reset_in_backward
-        self.wait_backward = self._marks.wait_backward
-
-    def slot(self) -> int:
-        try:
-            return self._free.pop()
-        except IndexError:
-            s = next(self._counter)
-            self._next = max(self._next, s + 1)
-            self._marks.ensure(s + 1)
-            return s
-
-    def mark(self) -> int:
-        s = self.slot()
-        self._take(s)
-        return s
-
-    def hook_backward(self, out: Any, path: tuple[int, ...]) -> tuple[int, int] | None:
-        """Slots that the backward of `out`'s node (start) and of `path`'s end node fill."""
-        start, end = self.slot(), self.slot()
-        if self._marks.hook(out, start, end, list(path)):
-            return start, end
-        self.release(start, end)
-        return None
+        self.window = self._marks.window
+        self.wait_window = self._marks.wait_window
+        self._give_back = self._marks.give_back
 
     def release(self, *marks: Any) -> None:
         for m in marks:
-            if m is not None:
-                self._marks.release(m)
-                self._free.append(m)
+            self._give_back(m)
 
     def new_errors(self) -> int:
         """Marks that failed in C++ since the last call (hooks cannot raise into autograd)."""
@@ -165,7 +149,7 @@ class NativeTimer:
         return _allocator_stats(self._module) if self._module is not None else None
 
     def pool_size(self) -> int:
-        return int(self._marks.events_created()) if self.kind == "cuda" else self._next
+        return int(self._marks.events_created() if self.kind == "cuda" else self._marks.slots())
 
 
 def _device_name(module: Any, kind: str) -> str:

@@ -253,18 +253,19 @@ class Recorder:
 
     def end(self, call: Call, op: AttentionOp, out: Any) -> None:
         try:
-            call.fwd1 = call.timer.mark()
+            timer, sig = call.timer, call.sig
             info, qkv = call.info, call.qkv
             call.info = call.qkv = None  # a pending call must not keep the inputs alive
-            t = op.output(out)
-            sig = call.sig
-            if (sig is not None and qkv is not None and call.timer.native
+            if (sig is not None and qkv is not None and timer.native
                     and sig.fused_path is not None and not compiled_autograd_on()):
-                # The steady state with native marks: C++ finds the node and hooks it.
-                slots = call.timer.hook_backward(t, sig.fused_path)
-                if slots is not None:
-                    call.bwd0, call.bwd1 = slots
+                # The steady state with native marks: one C++ call takes the end mark and hooks
+                # the backward.
+                call.fwd1, call.bwd0, call.bwd1 = timer.finish(op.output(out), sig.fused_path)
+                if call.bwd0 is not None:
                     return
+            else:
+                call.fwd1 = timer.mark()
+            t = op.output(out)
             node = getattr(t, "grad_fn", None)
             if sig is None:
                 assert info is not None

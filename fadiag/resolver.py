@@ -23,7 +23,7 @@ _POLL_S = 0.02
 _BATCH_S = 0.1
 """How often it looks otherwise: closed steps are resolved in batches."""
 _DEFER_S = 0.5
-"""With native marks a closed step waits, at most this long, for the next backward to start."""
+"""With native marks a closed step waits, at most this long, for a backward window."""
 _TICK_S = 0.5
 _BACKWARD_GRACE_S = 5.0
 _RSS_EVERY_S = 0.5
@@ -114,9 +114,10 @@ class Resolver:
             except queue.Empty:
                 pass
             try:
-                if self._pending:
-                    self._await_backward()
-                while self._pending and self._try_resolve(self._pending[0]):
+                while self._pending:
+                    self._await_window()
+                    if not self._try_resolve(self._pending[0]):
+                        break
                     self._pending.popleft()
                     self._finished += 1
                 now = time.monotonic()
@@ -132,24 +133,24 @@ class Resolver:
                 if self._finished == self._submitted:
                     self._idle.set()
 
-    def _await_backward(self) -> None:
-        """With native marks, wait for the next backward to start before resolving.
+    def _await_window(self) -> None:
+        """With native marks, wait for a backward window before resolving a step.
 
-        While backward() runs, the training thread has released the GIL and the autograd engine
-        runs without it (the native hooks need none), so resolving then takes nothing from the
-        step. The wait holds no GIL and ends at the first backward start; it gives up _DEFER_S
-        after the oldest pending step closed (evaluation, the end of training, a long step), or
-        when flush() or stop() asks.
+        While a hooked backward runs, the training thread is blocked in backward() with the GIL
+        released and the autograd engine needs none (the native hooks take none), so a step
+        resolved then takes nothing from training. Steps are resolved one at a time, each in an
+        open window: one that ran past its window would hold the GIL the training thread wants
+        back. The wait holds no GIL; it gives up _DEFER_S after the oldest pending step closed
+        (evaluation, the end of training, a long step), or when flush() or stop() asks.
         """
         timers = self._native_timers()
         if not timers:
             return
         t = timers[-1]
-        seen = t.backward_starts()
         deadline = self._pending[0].closed + _DEFER_S
-        while not (self._stop.is_set() or self._hurry.is_set()):
+        while not (self._stop.is_set() or self._hurry.is_set() or t.window()):
             left = deadline - time.monotonic()
-            if left <= 0 or t.wait_backward(seen, min(left, _BATCH_S)) > seen:
+            if left <= 0 or t.wait_window(min(left, _BATCH_S)):
                 return
 
     def _try_resolve(self, step: ClosedStep) -> bool:

@@ -139,6 +139,109 @@ def test_hook_refuses_a_tensor_without_grad_fn_or_a_broken_path(ext):
     assert not marks.hook(out, 0, 1, [99])
 
 
+def test_take_and_finish_hand_out_slots_and_give_them_back(ext):
+    marks = ext.Marks(False)
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    start = marks.take()
+    out = F.scaled_dot_product_attention(q, q, q)
+    fwd, bwd0, bwd1 = marks.finish(out, [])
+    assert len({start, fwd, bwd0, bwd1}) == 4 and marks.slots() == 4
+    assert marks.done(start) and marks.done(fwd) and marks.elapsed(start, fwd) >= 0
+    assert not marks.recorded(bwd0) and not marks.recorded(bwd1)
+    out.sum().backward()
+    assert marks.done(bwd0) and marks.done(bwd1) and marks.elapsed(bwd0, bwd1) >= 0
+    for slot in (start, fwd, bwd0, bwd1, None):
+        marks.give_back(slot)
+    assert not marks.recorded(start)
+    assert {marks.take() for _ in range(4)} == {start, fwd, bwd0, bwd1}  # reused, none new
+    assert marks.slots() == 4 and marks.errors() == 0
+
+
+def test_finish_on_an_output_without_grad_fn_gives_the_hook_slots_back(ext):
+    marks = ext.Marks(False)
+    with torch.no_grad():
+        out = F.scaled_dot_product_attention(*(torch.randn(1, 1, 4, 4),) * 3)
+    fwd, bwd0, bwd1 = marks.finish(out, [])
+    assert marks.done(fwd) and bwd0 is None and bwd1 is None
+    assert marks.take() != fwd and marks.slots() == 3  # the two hook slots went back to the pool
+
+
+def test_the_backward_window_spans_the_hooked_backwards(ext):
+    """Open from a hooked backward's start until every hooked call's backward has ended."""
+    marks = ext.Marks(False)
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    out1 = F.scaled_dot_product_attention(q, q, q)
+    marks.finish(out1, [])
+    x = out1 * 2
+    out2 = F.scaled_dot_product_attention(x, x, x)
+    marks.finish(out2, [])
+    seen = {}
+
+    def look(when):
+        def hook(grad):
+            seen[when] = marks.window()
+        return hook
+
+    x.register_hook(look("between"))
+    q.register_hook(look("after"))
+    assert not marks.window()
+    out2.sum().backward()
+    assert seen == {"between": True, "after": False}
+    assert not marks.window() and not marks.wait_window(0.01)
+
+
+def test_a_graph_freed_without_backward_does_not_hold_the_window_open(ext):
+    marks = ext.Marks(False)
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    dropped = F.scaled_dot_product_attention(q, q, q)
+    marks.finish(dropped, [])
+    del dropped  # evaluation with grad on, an unused output: its hooks go with its graph
+    out = F.scaled_dot_product_attention(q, q, q)
+    marks.finish(out, [])
+    out.sum().backward()
+    assert marks.backward_starts() == 1 and not marks.window()
+
+
+def test_steps_are_resolved_while_a_backward_holds_the_window_open(ext):
+    """A closed step waits for the next backward; it is resolved while that backward runs."""
+    s = attach(native="on")
+    timer = s.devices.timer("cpu")
+    report = s.resolver._report
+    window_at_report = []
+
+    def recording(step):
+        window_at_report.append(timer.window())
+        report(step)
+
+    s.resolver._report = recording
+
+    class WaitForStep1(torch.autograd.Function):
+        """Holds the backward (between two hooked attention backwards) until step 1 is in."""
+
+        @staticmethod
+        def forward(ctx, x):
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx, g):
+            deadline = time.monotonic() + 5.0
+            while s.last_step() is None and time.monotonic() < deadline:
+                time.sleep(0.001)
+            return g
+
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+
+    def step():
+        y = WaitForStep1.apply(F.scaled_dot_product_attention(q, q, q))
+        F.scaled_dot_product_attention(y, y, y).sum().backward()
+        fadiag.step()
+
+    step()
+    step()
+    assert s.history()[0].step == 1 and window_at_report[0] is True
+    assert resolved(s).step == 2 and s.errors == 0
+
+
 def test_a_mark_that_fails_in_cpp_is_counted_as_an_internal_error(ext):
     s = attach(native="on")
     timer = s.devices.timer("cpu")

@@ -20,6 +20,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #ifdef FADIAG_CUDA
@@ -114,6 +115,31 @@ class Pool {
     return true;
   }
 
+  // A free slot (existing or new). Slots are handed out and given back from Python threads; the
+  // mutex keeps the free list sound whoever holds the GIL.
+  int64_t take() {
+    std::lock_guard<std::mutex> lock(slots_mu_);
+    if (!free_.empty()) {
+      const int64_t s = free_.back();
+      free_.pop_back();
+      return s;
+    }
+    ensure(next_ + 1);
+    return next_++;
+  }
+
+  void give_back(int64_t slot) {
+    if (at(slot) == nullptr) return;
+    release(slot);
+    std::lock_guard<std::mutex> lock(slots_mu_);
+    free_.push_back(slot);
+  }
+
+  int64_t slots() {
+    std::lock_guard<std::mutex> lock(slots_mu_);
+    return next_;
+  }
+
   bool recorded(int64_t slot) const {
     const Slot* s = at(slot);
     return s != nullptr && s->recorded.load(std::memory_order_acquire);
@@ -174,24 +200,38 @@ class Pool {
     {
       std::lock_guard<std::mutex> lock(mu_);
       backward_starts_.fetch_add(1);
+      if (armed_.load() > 0) window_.store(true);
     }
     cv_.notify_all();
   }
 
-  // Block (the caller has released the GIL) until a backward starts after `seen` starts, or
-  // `timeout_s` passes; returns the count of starts.
-  int64_t wait_backward(int64_t seen, double timeout_s) {
-    std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
-                 [&] { return backward_starts_.load() > seen; });
-    return backward_starts_.load();
-  }
   void backward_ended() {
     int64_t v = in_backward_.load();
     while (v > 0 && !in_backward_.compare_exchange_weak(v, v - 1)) {
     }
   }
-  void reset_in_backward() { in_backward_.store(0); }
+
+  // The backward window: open from a hooked backward's start until every hooked call's backward
+  // has ended (or its graph was freed without one). While it is open the training thread is
+  // blocked in backward() with the GIL released, so work done then takes nothing from the step.
+  void armed() { armed_.fetch_add(1); }
+  void disarmed() {
+    if (armed_.fetch_sub(1) <= 1) window_.store(false);
+  }
+  bool window() const { return window_.load(); }
+
+  // Block (the caller has released the GIL) until the window is open or `timeout_s` passes.
+  bool wait_window(double timeout_s) {
+    std::unique_lock<std::mutex> lock(mu_);
+    return cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                        [&] { return window_.load(); });
+  }
+
+  // A step boundary: whatever backward ran is over.
+  void reset_in_backward() {
+    in_backward_.store(0);
+    window_.store(false);
+  }
 
  private:
   Slot* at(int64_t slot) const {
@@ -218,8 +258,13 @@ class Pool {
   std::atomic<int64_t> errors_{0};
   std::atomic<int64_t> backward_starts_{0};
   std::atomic<int64_t> in_backward_{0};
+  std::atomic<int64_t> armed_{0};
+  std::atomic<bool> window_{false};
   std::mutex mu_;
   std::condition_variable cv_;
+  std::mutex slots_mu_;
+  std::vector<int64_t> free_;
+  int64_t next_ = 0;
 };
 
 // Backward start: the first time the node runs, before its kernels are queued.
@@ -250,7 +295,14 @@ struct StartHook : torch::autograd::FunctionPreHook {
 // Backward end: after the node that produces the gradients of q, k and v has run.
 struct EndHook : torch::autograd::FunctionPostHook {
   EndHook(std::shared_ptr<Pool> pool, int64_t slot, uint32_t generation)
-      : pool_(std::move(pool)), slot_(slot), generation_(generation) {}
+      : pool_(std::move(pool)), slot_(slot), generation_(generation) {
+    pool_->armed();
+  }
+
+  // A graph freed without a backward (evaluation with grad on, an unused output) disarms too.
+  ~EndHook() override {
+    if (!fired_) pool_->disarmed();
+  }
 
   void compiled_args(torch::dynamo::autograd::CompiledNodeArgs& /*args*/) const override {}
 
@@ -259,6 +311,7 @@ struct EndHook : torch::autograd::FunctionPostHook {
     if (!fired_) {
       fired_ = true;
       if (pool_->mark(slot_, generation_, true)) pool_->backward_ended();
+      pool_->disarmed();
     }
     return grad_inputs;
   }
@@ -281,6 +334,17 @@ class Marks {
   double elapsed(int64_t a, int64_t b) { return pool_->elapsed(a, b); }
   void release(int64_t slot) { pool_->release(slot); }
 
+  // A slot taken from the pool and marked now: one call per mark from Python.
+  int64_t take() {
+    const int64_t s = pool_->take();
+    pool_->mark(s, 0, false);
+    return s;
+  }
+  void give_back(std::optional<int64_t> slot) {
+    if (slot) pool_->give_back(*slot);
+  }
+  int64_t slots() { return pool_->slots(); }
+
   // Hook the backward of `out`'s autograd node (start) and of the node `path` leads to from it
   // (end: the fused attention node). False when `out` has no grad_fn or the path is broken.
   bool hook(const at::Tensor& out, int64_t start_slot, int64_t end_slot,
@@ -298,14 +362,27 @@ class Marks {
     return true;
   }
 
+  // The end of a measured forward in one call: the forward's end mark (taken first, so the
+  // window holds nothing of this), then the backward hooks on fresh slots. Returns
+  // (forward end, backward start, backward end); the last two are None if `out` cannot be hooked.
+  std::tuple<int64_t, std::optional<int64_t>, std::optional<int64_t>> finish(
+      const at::Tensor& out, const std::vector<int64_t>& path) {
+    const int64_t fwd = take();
+    const int64_t start = pool_->take();
+    const int64_t end = pool_->take();
+    if (hook(out, start, end, path)) return {fwd, start, end};
+    pool_->give_back(start);
+    pool_->give_back(end);
+    return {fwd, std::nullopt, std::nullopt};
+  }
+
   int64_t events_created() const { return pool_->events_created(); }
   int64_t errors() const { return pool_->errors(); }
   int64_t backward_starts() const { return pool_->backward_starts(); }
   int64_t in_backward() const { return pool_->in_backward(); }
   void reset_in_backward() { pool_->reset_in_backward(); }
-  int64_t wait_backward(int64_t seen, double timeout_s) {
-    return pool_->wait_backward(seen, timeout_s);
-  }
+  bool window() const { return pool_->window(); }
+  bool wait_window(double timeout_s) { return pool_->wait_window(timeout_s); }
 
  private:
   std::shared_ptr<Pool> pool_;
@@ -328,12 +405,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("done", &Marks::done)
       .def("elapsed", &Marks::elapsed)
       .def("release", &Marks::release)
+      .def("take", &Marks::take)
+      .def("give_back", &Marks::give_back)
+      .def("slots", &Marks::slots)
       .def("hook", &Marks::hook)
+      .def("finish", &Marks::finish)
       .def("events_created", &Marks::events_created)
       .def("errors", &Marks::errors)
       .def("backward_starts", &Marks::backward_starts)
       .def("in_backward", &Marks::in_backward)
       .def("reset_in_backward", &Marks::reset_in_backward)
-      .def("wait_backward", &Marks::wait_backward,
+      .def("window", &Marks::window)
+      .def("wait_window", &Marks::wait_window,
            pybind11::call_guard<pybind11::gil_scoped_release>());
 }

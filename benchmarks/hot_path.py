@@ -1,0 +1,196 @@
+"""Where the training thread's time per measured attention call goes, piece by piece.
+
+SDPA calls on tiny inputs, forward only and forward + backward, a step every 6 calls, steps closed
+but never resolved (the resolver's share is `overhead.py`'s fadiag vs fadiag_no_report). Three whole-call figures
+(plain; the floor: a Python wrapper with one C++ mark before the op and one C++ `finish` after it;
+fadiag), the Python and C calls fadiag makes per measured call, and each piece of the hot path
+timed alone (best of 5). Native marks are used on every device kind. Usage:
+
+    python benchmarks/hot_path.py [--device cuda] [--calls 5000]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import statistics
+import sys
+import time
+import timeit
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fadiag  # noqa: E402
+from fadiag import backends, native, recorder  # noqa: E402
+from fadiag.graph import compiled_autograd_on  # noqa: E402
+from fadiag.ops import OPS  # noqa: E402
+
+
+def per_call_us(q: torch.Tensor, calls: int, backward: bool = False) -> float:
+    sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for i in range(calls):
+        out = F.scaled_dot_product_attention(q, q, q)
+        if backward:
+            out.sum().backward()
+        if i % 6 == 5:
+            fadiag.step()
+    sync()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def release_marks(step) -> None:
+    for c in step.calls:
+        c.timer.release(c.fwd0, c.fwd1, c.bwd0, c.bwd1)
+
+
+def attach(native_setting: str):
+    session = fadiag.attach(port=0, native=native_setting)
+    # Closed steps are never resolved; their marks go back to the pool at once (on the
+    # training thread, so that cost is in the figures) and no step makes new events.
+    session.resolver.submit = release_marks
+    return session
+
+
+def floor_wrapper(marks):
+    original = F.scaled_dot_product_attention
+
+    def wrapped(*args, **kwargs):
+        a = marks.take()
+        out = original(*args, **kwargs)
+        b, c, d = marks.finish(out, [])
+        for s in (a, b, c, d):
+            marks.give_back(s)
+        return out
+
+    return original, wrapped
+
+
+def calls_per_call(q: torch.Tensor, n: int = 60) -> tuple[float, float, list[tuple[float, str]]]:
+    counts: collections.Counter[str] = collections.Counter()
+
+    def profile(frame, event, arg):
+        if event == "call":
+            counts[f"py {frame.f_code.co_name}"] += 1
+        elif event == "c_call":
+            counts[f"c  {getattr(arg, '__name__', arg)}"] += 1
+
+    sys.setprofile(profile)
+    for _ in range(n):
+        F.scaled_dot_product_attention(q, q, q)
+    sys.setprofile(None)
+    py = sum(v for k, v in counts.items() if k.startswith("py")) / n
+    c = sum(v for k, v in counts.items() if k.startswith("c ")) / n
+    return py, c, [(v / n, k) for k, v in counts.most_common()]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--calls", type=int, default=5000)
+    p.add_argument("--repeats", type=int, default=7)
+    args = p.parse_args()
+    torch.set_num_threads(1)
+    kind = args.device
+    ext = native.load(kind)
+    if ext is None:
+        sys.exit(f"native marks unavailable: {native.status(kind)}")
+    dtype = torch.bfloat16 if kind == "cuda" else torch.float32
+    q = torch.randn(1, 1, 16, 16, device=kind, dtype=dtype, requires_grad=True)
+
+    attach("on")
+    per_call_us(q, 300, backward=True)
+    fadiag.detach()
+    original, floor = floor_wrapper(ext.Marks(kind == "cuda"))
+    variants = ("plain", "floor", "fadiag", "fadiag_python")
+    whole: dict[tuple[str, bool], list[float]] = collections.defaultdict(list)
+    for r in range(args.repeats):
+        for backward in (False, True):
+            for v in variants:
+                if v == "floor":
+                    F.scaled_dot_product_attention = floor
+                elif v != "plain":
+                    attach("off" if v == "fadiag_python" else "on")
+                per_call_us(q, 60, backward)
+                whole[v, backward].append(per_call_us(q, args.calls, backward))
+                F.scaled_dot_product_attention = original
+                if v.startswith("fadiag"):
+                    fadiag.detach()
+    session = attach("on")
+    per_call_us(q, 60)
+    py, c, top = calls_per_call(q)
+    name = torch.cuda.get_device_name() if kind == "cuda" else "cpu"
+    print(f"device {kind} ({name}), torch {torch.__version__}; SDPA on 1x1x16x16, steps closed "
+          f"and never resolved, median of {args.repeats} x {args.calls} calls")
+    for backward in (False, True):
+        plain = statistics.median(whole["plain", backward])
+        print("forward + backward:" if backward else "forward only:")
+        for v in variants:
+            m = statistics.median(whole[v, backward])
+            print(f"  {v:13s} {m:7.2f} us/call  (+{m - plain:.2f} us)")
+    print(f"fadiag per measured call: {py:.0f} Python calls, {c:.0f} C calls")
+    print("  " + ", ".join(f"{n:g}x {k}" for n, k in top))
+
+    # Each piece of the steady-state hot path (Recorder.wrap -> begin -> end), timed alone.
+    rec = session.recorder
+    op = next(o for o in OPS if o.name == "sdpa")
+    timer = rec.devices.timer(kind)
+    qkv_args: tuple = (q, q, q)
+    out = F.scaled_dot_product_attention(q, q, q)
+    dev = q.device
+    extra = op.quick(qkv_args, {})[3]
+    key = (op.name, q.shape, q.shape, q.shape, q.dtype, dev, True, True, True, True,
+           backends.backend_flags(), extra)
+
+    def mark_and_release():
+        timer.release(timer.mark())
+
+    def finish_and_release():
+        timer.release(*timer.finish(out, ()))
+
+    def make_key():
+        return (op.name, q.shape, q.shape, q.shape, q.dtype, q.device, True, q.requires_grad,
+                q.requires_grad, q.requires_grad, backends.backend_flags(), extra)
+
+    def site():
+        return rec._site(False)
+
+    def caller():  # _site starts three frames up, as from the wrapper
+        return (lambda: (lambda: site())())()
+
+    def boundary_over_6():
+        rec.boundary("manual")
+
+    pieces = {
+        "wrapper checks (is_compiling)": recorder._is_compiling,
+        "grad mode + graph task id": lambda: (recorder._grad_enabled(), recorder._graph_task_id()),
+        "native backward counter": rec._native_backward_seen,
+        "argument reader (quick_sdpa)": lambda: op.quick(qkv_args, {}),
+        "backend flags": backends.backend_flags,
+        "signature key": make_key,
+        "signature lookup": lambda: rec.signatures.get(key),
+        "timer lookup": lambda: rec.devices.timer(dev.type),
+        "Call object": lambda: recorder.Call("x#0", timer, False, key, None, qkv_args),
+        "site (file:line#n)": caller,
+        "forward start mark": mark_and_release,
+        "compiled autograd check": compiled_autograd_on,
+        "finish: end mark + C++ hooks": finish_and_release,
+    }
+    print("pieces (ns per call, best of 5):")
+    total = 0.0
+    for label, fn in pieces.items():
+        n = 20000
+        ns = min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e9
+        rec._site_counts.clear()
+        total += ns
+        print(f"  {label:32s} {ns:8.0f}")
+    fadiag.detach()
+    print(f"  {'sum of pieces':32s} {total:8.0f}")
+
+
+if __name__ == "__main__":
+    main()
