@@ -48,8 +48,8 @@ def release_marks(step) -> None:
         c.timer.release(c.fwd0, c.fwd1, c.bwd0, c.bwd1)
 
 
-def attach(native_setting: str):
-    session = fadiag.attach(port=0, native=native_setting)
+def attach(native_setting: str, every_n_steps: int = 1):
+    session = fadiag.attach(port=0, native=native_setting, every_n_steps=every_n_steps)
     # Closed steps are never resolved; their marks go back to the pool at once (on the
     # training thread, so that cost is in the figures) and no step makes new events.
     session.resolver.submit = release_marks
@@ -106,7 +106,8 @@ def main() -> None:
     per_call_us(q, 300, backward=True)
     fadiag.detach()
     original, floor = floor_wrapper(ext.Marks(kind == "cuda"))
-    variants = ("plain", "floor", "fadiag", "fadiag_python")
+    # fadiag_unsampled: every call on a step that sampling skips (the wrapper's early way out).
+    variants = ("plain", "floor", "fadiag", "fadiag_python", "fadiag_unsampled")
     whole: dict[tuple[str, bool], list[float]] = collections.defaultdict(list)
     for r in range(args.repeats):
         for backward in (False, True):
@@ -114,7 +115,8 @@ def main() -> None:
                 if v == "floor":
                     F.scaled_dot_product_attention = floor
                 elif v != "plain":
-                    attach("off" if v == "fadiag_python" else "on")
+                    attach("off" if v == "fadiag_python" else "on",
+                           10**9 if v == "fadiag_unsampled" else 1)
                 per_call_us(q, 60, backward)
                 whole[v, backward].append(per_call_us(q, args.calls, backward))
                 F.scaled_dot_product_attention = original
@@ -131,7 +133,7 @@ def main() -> None:
         print("forward + backward:" if backward else "forward only:")
         for v in variants:
             m = statistics.median(whole[v, backward])
-            print(f"  {v:13s} {m:7.2f} us/call  (+{m - plain:.2f} us)")
+            print(f"  {v:16s} {m:7.2f} us/call  (+{m - plain:.2f} us)")
     print(f"fadiag per measured call: {py:.0f} Python calls, {c:.0f} C calls")
     print("  " + ", ".join(f"{n:g}x {k}" for n, k in top))
 
