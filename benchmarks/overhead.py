@@ -99,7 +99,7 @@ def variant(name: str, model: nn.Module):
         if name == "fadiag_no_report":
             # The resolver waits for the marks and gives them back, and builds no report (no
             # rules, no sinks): what is left is the training thread's own cost and the marks'.
-            session.resolver._report = release_marks
+            session.resolver._report = lambda step, timed: None
         if name == "fadiag_no_resolver":
             # Closed steps give their marks back at once, on the training thread, and the
             # resolver thread never runs: the training thread's own cost alone.

@@ -36,6 +36,10 @@ class CpuTimer:
     def elapsed(start: Any, end: Any) -> float:
         return (end - start) * 1e-9
 
+    def seconds(self, marks: list[tuple[Any, Any, Any, Any]],
+                give_up_open_backward: bool) -> list[tuple[float, float]] | None:
+        return _seconds_each(self, marks, give_up_open_backward)
+
     def release(self, *marks: Any) -> None:
         pass
 
@@ -88,6 +92,10 @@ class EventTimer:
     def elapsed(start: Any, end: Any) -> float:
         return start.elapsed_time(end) * 1e-3
 
+    def seconds(self, marks: list[tuple[Any, Any, Any, Any]],
+                give_up_open_backward: bool) -> list[tuple[float, float]] | None:
+        return _seconds_each(self, marks, give_up_open_backward)
+
     def release(self, *marks: Any) -> None:
         self._free.extend(m for m in marks if m is not None)
 
@@ -133,11 +141,17 @@ class NativeTimer:
         self.reset_in_backward = self._marks.reset_in_backward
         self.window = self._marks.window
         self.wait_window = self._marks.wait_window
-        self._give_back = self._marks.give_back
+        self._give_back_all = self._marks.give_back_all
+
+    def seconds(self, marks: list[tuple[Any, Any, Any, Any]],
+                give_up_open_backward: bool) -> list[tuple[float, float]] | None:
+        """All of a step's calls in one C++ call, made without the GIL."""
+        flat = [-1 if m is None else m for quad in marks for m in quad]
+        out = self._marks.seconds(flat, give_up_open_backward)
+        return None if out is None else list(zip(out[::2], out[1::2], strict=True))
 
     def release(self, *marks: Any) -> None:
-        for m in marks:
-            self._give_back(m)
+        self._give_back_all([m for m in marks if m is not None])
 
     def new_errors(self) -> int:
         """Marks that failed in C++ since the last call (hooks cannot raise into autograd)."""
@@ -150,6 +164,26 @@ class NativeTimer:
 
     def pool_size(self) -> int:
         return int(self._marks.events_created() if self.kind == "cuda" else self._marks.slots())
+
+
+def _seconds_each(timer: Any, marks: list[tuple[Any, Any, Any, Any]],
+                  give_up_open_backward: bool) -> list[tuple[float, float]] | None:
+    """(forward, backward) seconds per call from marks read one at a time; None while a mark the
+    device has not passed is needed. A backward that started and has not ended is waited for
+    unless `give_up_open_backward`; an unmeasured backward reads 0."""
+    done, recorded, elapsed = timer.done, timer.recorded, timer.elapsed
+    for f0, f1, b0, b1 in marks:
+        # Both ends are queried: on NPU, elapsed_time synchronises unless both are done.
+        if not (done(f0) and done(f1)):
+            return None
+        if recorded(b0):
+            if not recorded(b1):
+                if not give_up_open_backward:
+                    return None
+            elif not (done(b0) and done(b1)):
+                return None
+    return [(elapsed(f0, f1), elapsed(b0, b1) if recorded(b0) and recorded(b1) else 0.0)
+            for f0, f1, b0, b1 in marks]
 
 
 def _device_name(module: Any, kind: str) -> str:

@@ -154,40 +154,37 @@ class Resolver:
                 return
 
     def _try_resolve(self, step: ClosedStep) -> bool:
-        now = time.monotonic()
-        for c in step.calls:
-            if c.aborted or c.sig is None:
-                continue
-            t = c.timer
-            # Both ends are queried: on NPU, elapsed_time synchronises unless both are done.
-            if not (t.done(c.fwd0) and t.done(c.fwd1)):
+        """Report `step` if the device has passed every mark it needs; False to look again."""
+        calls = [c for c in step.calls if not (c.aborted or c.sig is None)]
+        by_timer: dict[Any, list[Call]] = {}
+        for c in calls:
+            by_timer.setdefault(c.timer, []).append(c)
+        give_up = time.monotonic() - step.closed >= _BACKWARD_GRACE_S
+        seconds: dict[Call, tuple[float, float]] = {}
+        for t, group in by_timer.items():  # one group per device kind; native: one C++ call
+            s = t.seconds([(c.fwd0, c.fwd1, c.bwd0, c.bwd1) for c in group], give_up)
+            if s is None:
                 return False
-            if t.recorded(c.bwd0):
-                if not t.recorded(c.bwd1):
-                    if now - step.closed < _BACKWARD_GRACE_S:
-                        return False
-                elif not (t.done(c.bwd0) and t.done(c.bwd1)):
-                    return False
-        self._report(step)
+            seconds.update(zip(group, s))
+        for t, group in by_timer.items():
+            t.release(*(m for c in group for m in (c.fwd0, c.fwd1, c.bwd0, c.bwd1)))
+            for c in group:
+                c.fwd0 = c.fwd1 = c.bwd0 = c.bwd1 = None
+        self._report(step, [(c, *seconds[c]) for c in calls])
         return True
 
-    def _report(self, step: ClosedStep) -> None:
+    def _report(self, step: ClosedStep, timed: list[tuple[Call, float, float]]) -> None:
         records: list[CallRecord] = []
         fwd = bwd = recompute = 0.0
         kept: int | None = 0
         standard = 0
         peak: int | None = None
-        for c in step.calls:
-            sig = c.sig
-            if c.aborted or sig is None:
+        for c, f, b in timed:
+            if f != f:  # the call's forward marks failed (counted as internal errors)
                 continue
-            t = c.timer
-            f = _seconds(t.elapsed(c.fwd0, c.fwd1))
-            b = 0.0
-            if t.recorded(c.bwd0) and t.recorded(c.bwd1):
-                b = _seconds(t.elapsed(c.bwd0, c.bwd1))
-            t.release(c.fwd0, c.fwd1, c.bwd0, c.bwd1)
-            c.fwd0 = c.fwd1 = c.bwd0 = c.bwd1 = None
+            sig = c.sig
+            assert sig is not None
+            f, b = _seconds(f), _seconds(b)
             records.append(CallRecord(
                 site=c.site, impl=sig.impl, shape=sig.shape, dtype=sig.dtype, causal=sig.causal,
                 dropout=sig.dropout, kv_heads=sig.kv_heads, layout=sig.layout, device=sig.device,

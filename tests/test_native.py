@@ -166,6 +166,44 @@ def test_finish_on_an_output_without_grad_fn_gives_the_hook_slots_back(ext):
     assert marks.take() != fwd and marks.slots() == 3  # the two hook slots went back to the pool
 
 
+def test_seconds_reads_a_whole_step_in_one_call(ext):
+    marks = ext.Marks(False)
+    q = torch.randn(1, 2, 8, 4, requires_grad=True)
+    steps = []
+    for _ in range(2):
+        start = marks.take()
+        out = F.scaled_dot_product_attention(q, q, q)
+        steps.append((start, *marks.finish(out, [])))
+        out.sum().backward()
+    flat = [s for call in steps for s in call]
+    secs = marks.seconds(flat, False)
+    assert len(secs) == 4 and all(x >= 0 for x in secs)
+    assert secs[0] == marks.elapsed(steps[0][0], steps[0][1])
+    assert secs[3] == marks.elapsed(steps[1][2], steps[1][3])
+    marks.give_back_all(flat)
+    assert marks.slots() == 8 and not marks.recorded(flat[0])
+
+
+def test_seconds_waits_for_a_started_backward_until_told_to_give_up(ext):
+    marks = ext.Marks(False)
+    f0, f1, b0, b1 = marks.take(), marks.take(), marks.take(), marks.take()
+    marks.mark(b0)  # the backward started; its end mark never came
+    marks.give_back(b1)
+    assert marks.seconds([f0, f1, b0, b1], False) is None
+    fwd, bwd = marks.seconds([f0, f1, b0, b1], True)
+    assert fwd >= 0 and bwd == 0.0
+    fwd, bwd = marks.seconds([f0, f1, -1, -1], False)  # no backward hooked: 0, nothing to wait for
+    assert fwd >= 0 and bwd == 0.0
+
+
+def test_seconds_of_a_call_whose_forward_mark_failed_are_nan(ext):
+    marks = ext.Marks(False)
+    f0, f1 = marks.take(), marks.take()
+    marks.give_back(f1)  # as if its record had failed: never recorded
+    fwd, bwd = marks.seconds([f0, f1, -1, -1], False)
+    assert fwd != fwd and bwd != bwd
+
+
 def test_the_backward_window_spans_the_hooked_backwards(ext):
     """Open from a hooked backward's start until every hooked call's backward has ended."""
     marks = ext.Marks(False)
@@ -209,9 +247,9 @@ def test_steps_are_resolved_while_a_backward_holds_the_window_open(ext):
     report = s.resolver._report
     window_at_report = []
 
-    def recording(step):
+    def recording(step, timed):
         window_at_report.append(timer.window())
-        report(step)
+        report(step, timed)
 
     s.resolver._report = recording
 
@@ -378,3 +416,22 @@ def test_a_callback_that_fails_leaves_python_marks_and_a_warning(monkeypatch, ca
     with caplog.at_level(logging.WARNING, logger="fadiag"):
         native.load_in_background("cpu", broken)
     assert "native marks loaded but not used (RuntimeError: no Marks here)" in caplog.text
+
+
+def test_a_call_whose_forward_marks_failed_is_left_out_of_its_step(ext):
+    s = attach(native="on")
+    timer = s.devices.timer("cpu")
+    seconds = timer.seconds
+
+    def first_failed(marks, give_up):
+        out = seconds(marks, give_up)
+        return out if out is None else [(float("nan"), float("nan"))] + out[1:]
+
+    timer.seconds = first_failed
+    model = GPT(layers=2)
+    train(model, steps=1)
+    r = resolved(s)
+    assert len(r.calls) == 1 and r.forward_seconds == r.calls[0].forward_seconds > 0
+    train(model, steps=1)
+    assert resolved(s).step == 2
+    assert timer.pool_size() == 4 * 2  # the second step reused the first one's slots

@@ -16,6 +16,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -343,6 +344,49 @@ class Marks {
   void give_back(std::optional<int64_t> slot) {
     if (slot) pool_->give_back(*slot);
   }
+  void give_back_all(const std::vector<int64_t>& slots) {
+    for (int64_t s : slots) pool_->give_back(s);
+  }
+
+  // A step's seconds in one call, made without the GIL. `slots` holds four per call: forward
+  // start, forward end, backward start, backward end (-1: none). None while a mark the device
+  // has not passed is needed; a backward that started and has not ended is waited for unless
+  // `give_up_open_backward`. Otherwise two per call: forward and backward seconds, the backward
+  // 0 when it was not measured, both NaN for a call whose forward marks failed (counted as
+  // errors when they did). Both ends of a pair are queried before its elapsed time is read.
+  std::optional<std::vector<double>> seconds(const std::vector<int64_t>& slots,
+                                             bool give_up_open_backward) {
+    TORCH_CHECK(slots.size() % 4 == 0, "fadiag marks: four slots per call");
+    const size_t calls = slots.size() / 4;
+    std::vector<bool> backward(calls, false);
+    std::vector<bool> failed(calls, false);
+    for (size_t i = 0; i < calls; ++i) {
+      const int64_t f0 = slots[4 * i], f1 = slots[4 * i + 1];
+      const int64_t b0 = slots[4 * i + 2], b1 = slots[4 * i + 3];
+      if (!pool_->recorded(f0) || !pool_->recorded(f1)) {
+        failed[i] = true;
+        continue;
+      }
+      if (!pool_->done(f0) || !pool_->done(f1)) return std::nullopt;
+      if (b0 < 0 || !pool_->recorded(b0)) continue;
+      if (b1 < 0 || !pool_->recorded(b1)) {
+        if (!give_up_open_backward) return std::nullopt;
+        continue;
+      }
+      if (!pool_->done(b0) || !pool_->done(b1)) return std::nullopt;
+      backward[i] = true;
+    }
+    std::vector<double> out(2 * calls, 0.0);
+    for (size_t i = 0; i < calls; ++i) {
+      if (failed[i]) {
+        out[2 * i] = out[2 * i + 1] = std::numeric_limits<double>::quiet_NaN();
+        continue;
+      }
+      out[2 * i] = pool_->elapsed(slots[4 * i], slots[4 * i + 1]);
+      if (backward[i]) out[2 * i + 1] = pool_->elapsed(slots[4 * i + 2], slots[4 * i + 3]);
+    }
+    return out;
+  }
   int64_t slots() { return pool_->slots(); }
 
   // Hook the backward of `out`'s autograd node (start) and of the node `path` leads to from it
@@ -407,6 +451,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("release", &Marks::release)
       .def("take", &Marks::take)
       .def("give_back", &Marks::give_back)
+      .def("give_back_all", &Marks::give_back_all)
+      .def("seconds", &Marks::seconds, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("slots", &Marks::slots)
       .def("hook", &Marks::hook)
       .def("finish", &Marks::finish)
