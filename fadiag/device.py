@@ -267,7 +267,9 @@ class Devices:
         kind = device_type if self._override == "auto" else self._override
         t = self._timers.get(kind)
         if t is None:
-            t = self._timers[kind] = self._make(kind)
+            # setdefault: a native timer adopted while _make ran (the extension was already
+            # loaded, or its background load finished first) is kept, not overwritten.
+            t = self._timers.setdefault(kind, self._make(kind))
         return t
 
     def close(self) -> None:

@@ -11,6 +11,8 @@ import os
 import sysconfig
 import threading
 import time
+from types import SimpleNamespace
+from unittest import mock
 
 import pytest
 import torch
@@ -18,7 +20,7 @@ import torch.nn.functional as F
 
 import fadiag
 from fadiag import native
-from fadiag.device import CpuTimer, NativeTimer
+from fadiag.device import CpuTimer, Devices, EventTimer, NativeTimer
 from tests.models import GPT, train
 
 
@@ -416,6 +418,34 @@ def test_a_callback_that_fails_leaves_python_marks_and_a_warning(monkeypatch, ca
     with caplog.at_level(logging.WARNING, logger="fadiag"):
         native.load_in_background("cpu", broken)
     assert "native marks loaded but not used (RuntimeError: no Marks here)" in caplog.text
+
+
+@pytest.mark.parametrize("when", ["already_loaded", "loaded_in_the_background"])
+def test_auto_uses_native_marks_on_cuda_once_the_extension_is_loaded(monkeypatch, when):
+    """An extension loaded before the first call is used from that call, never overwritten by
+    the Python timer made meanwhile; one that loads later is swapped in."""
+    ext = SimpleNamespace(Marks=mock.MagicMock(name="Marks"))
+    release = threading.Event()
+    monkeypatch.setattr(native, "_failures", {})
+    monkeypatch.setattr(native, "_waiters", {})
+    monkeypatch.setattr(native, "_building", set())
+    if when == "already_loaded":
+        monkeypatch.setattr(native, "_modules", {"cuda": ext})
+    else:
+        monkeypatch.setattr(native, "_modules", {})
+        monkeypatch.setattr(native, "_build", lambda kind: release.wait(5) and ext)
+    devices = Devices(native="auto")
+    first = devices.timer("cuda")
+    if when == "loaded_in_the_background":
+        assert isinstance(first, EventTimer)  # Python events until the load is done
+        release.set()
+        deadline = time.monotonic() + 5
+        while not devices.native_timers and time.monotonic() < deadline:
+            time.sleep(0.01)
+    timer = devices.timer("cuda")
+    assert isinstance(timer, NativeTimer) and devices.native_timers == [timer]
+    assert devices.timer("cuda") is timer
+    ext.Marks.assert_called_once_with(True)
 
 
 def test_a_call_whose_forward_marks_failed_is_left_out_of_its_step(ext):
