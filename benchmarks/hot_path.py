@@ -27,6 +27,7 @@ import fadiag  # noqa: E402
 from fadiag import backends, native, recorder  # noqa: E402
 from fadiag.graph import compiled_autograd_on  # noqa: E402
 from fadiag.ops import OPS  # noqa: E402
+from overhead import release_marks  # noqa: E402
 
 
 def per_call_us(q: torch.Tensor, calls: int, backward: bool = False) -> float:
@@ -41,11 +42,6 @@ def per_call_us(q: torch.Tensor, calls: int, backward: bool = False) -> float:
             fadiag.step()
     sync()
     return (time.perf_counter() - t0) / calls * 1e6
-
-
-def release_marks(step) -> None:
-    for c in step.calls:
-        c.timer.release(c.fwd0, c.fwd1, c.bwd0, c.bwd1)
 
 
 def attach(native_setting: str, every_n_steps: int = 1):

@@ -46,6 +46,20 @@ def attach(marks, **kw):
     return session
 
 
+def test_the_default_setting_uses_the_native_marks_once_they_are_loaded(native_marks_built):
+    """`native: auto`, the default: with the extension already loaded, the first call gets it."""
+    assert native_marks_built is not None
+    session = fadiag.attach(port=0)
+    q = torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    for _ in range(3):
+        F.scaled_dot_product_attention(q, q, q).sum().backward()
+        fadiag.step()
+    assert session.flush(30)
+    timer = session.devices.timer("cuda")
+    assert timer.native and session.devices.native_timers == [timer]
+    assert session.last_step().backward_seconds > 0 and session.errors == 0
+
+
 BACKENDS = {"flash": SDPBackend.FLASH_ATTENTION, "efficient": SDPBackend.EFFICIENT_ATTENTION,
             "cudnn": SDPBackend.CUDNN_ATTENTION, "math": SDPBackend.MATH}
 
