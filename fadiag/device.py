@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import time
 from collections import deque
+import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
+
+log = logging.getLogger("fadiag")
 
 
 class CpuTimer:
@@ -297,6 +300,7 @@ class Devices:
     def _adopt(self, kind: str, ext: Any) -> NativeTimer:
         t = NativeTimer(kind, ext, torch.cuda if kind == "cuda" else None)
         self.native_timers.append(t)
+        log.info("fadiag: native marks in use on %s", kind)
         return t
 
     def name(self) -> str:

@@ -421,7 +421,7 @@ def test_a_callback_that_fails_leaves_python_marks_and_a_warning(monkeypatch, ca
 
 
 @pytest.mark.parametrize("when", ["already_loaded", "loaded_in_the_background"])
-def test_auto_uses_native_marks_on_cuda_once_the_extension_is_loaded(monkeypatch, when):
+def test_auto_uses_native_marks_on_cuda_once_the_extension_is_loaded(monkeypatch, caplog, when):
     """An extension loaded before the first call is used from that call, never overwritten by
     the Python timer made meanwhile; one that loads later is swapped in."""
     ext = SimpleNamespace(Marks=mock.MagicMock(name="Marks"))
@@ -434,6 +434,7 @@ def test_auto_uses_native_marks_on_cuda_once_the_extension_is_loaded(monkeypatch
     else:
         monkeypatch.setattr(native, "_modules", {})
         monkeypatch.setattr(native, "_build", lambda kind: release.wait(5) and ext)
+    caplog.set_level(logging.INFO, logger="fadiag")
     devices = Devices(native="auto")
     first = devices.timer("cuda")
     if when == "loaded_in_the_background":
@@ -446,6 +447,7 @@ def test_auto_uses_native_marks_on_cuda_once_the_extension_is_loaded(monkeypatch
     assert isinstance(timer, NativeTimer) and devices.native_timers == [timer]
     assert devices.timer("cuda") is timer
     ext.Marks.assert_called_once_with(True)
+    assert caplog.text.count("native marks in use on cuda") == 1  # which marks run is said
 
 
 def test_a_call_whose_forward_marks_failed_is_left_out_of_its_step(ext):
