@@ -15,7 +15,6 @@ import argparse
 import collections
 import statistics
 import sys
-import time
 import timeit
 from pathlib import Path
 
@@ -23,25 +22,13 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from overhead import release_marks  # noqa: E402
+from where_time_goes import per_call_us  # noqa: E402  (the same tiny-call loop)
+
 import fadiag  # noqa: E402
 from fadiag import backends, native, recorder  # noqa: E402
 from fadiag.graph import compiled_autograd_on  # noqa: E402
 from fadiag.ops import OPS  # noqa: E402
-from overhead import release_marks  # noqa: E402
-
-
-def per_call_us(q: torch.Tensor, calls: int, backward: bool = False) -> float:
-    sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
-    sync()
-    t0 = time.perf_counter()
-    for i in range(calls):
-        out = F.scaled_dot_product_attention(q, q, q)
-        if backward:
-            out.sum().backward()
-        if i % 6 == 5:
-            fadiag.step()
-    sync()
-    return (time.perf_counter() - t0) / calls * 1e6
 
 
 def attach(native_setting: str, every_n_steps: int = 1):
@@ -99,13 +86,13 @@ def main() -> None:
     q = torch.randn(1, 1, 16, 16, device=kind, dtype=dtype, requires_grad=True)
 
     attach("on")
-    per_call_us(q, 300, backward=True)
+    per_call_us(q, 300)
     fadiag.detach()
     original, floor = floor_wrapper(ext.Marks(kind == "cuda"))
     # fadiag_unsampled: every call on a step that sampling skips (the wrapper's early way out).
     variants = ("plain", "floor", "fadiag", "fadiag_python", "fadiag_unsampled")
     whole: dict[tuple[str, bool], list[float]] = collections.defaultdict(list)
-    for r in range(args.repeats):
+    for _ in range(args.repeats):
         for backward in (False, True):
             for v in variants:
                 if v == "floor":
@@ -119,7 +106,7 @@ def main() -> None:
                 if v.startswith("fadiag"):
                     fadiag.detach()
     session = attach("on")
-    per_call_us(q, 60)
+    per_call_us(q, 60, backward=False)
     py, c, top = calls_per_call(q)
     name = torch.cuda.get_device_name() if kind == "cuda" else "cpu"
     print(f"device {kind} ({name}), torch {torch.__version__}; SDPA on 1x1x16x16, steps closed "

@@ -6,15 +6,35 @@ pool (resolved with `query()`, never a host sync) or `perf_counter_ns` integers 
 
 from __future__ import annotations
 
+import logging
 import time
 from collections import deque
-import logging
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 log = logging.getLogger("fadiag")
+
+
+def _seconds_each(timer: Any, marks: list[tuple[Any, Any, Any, Any]],
+                  give_up_open_backward: bool) -> list[tuple[float, float]] | None:
+    """(forward, backward) seconds per call from marks read one at a time; None while a mark the
+    device has not passed is needed. A backward that started and has not ended is waited for
+    unless `give_up_open_backward`; an unmeasured backward reads 0."""
+    done, recorded, elapsed = timer.done, timer.recorded, timer.elapsed
+    for f0, f1, b0, b1 in marks:
+        # Both ends are queried: on NPU, elapsed_time synchronises unless both are done.
+        if not (done(f0) and done(f1)):
+            return None
+        if recorded(b0):
+            if not recorded(b1):
+                if not give_up_open_backward:
+                    return None
+            elif not (done(b0) and done(b1)):
+                return None
+    return [(elapsed(f0, f1), elapsed(b0, b1) if recorded(b0) and recorded(b1) else 0.0)
+            for f0, f1, b0, b1 in marks]
 
 
 class CpuTimer:
@@ -39,9 +59,7 @@ class CpuTimer:
     def elapsed(start: Any, end: Any) -> float:
         return (end - start) * 1e-9
 
-    def seconds(self, marks: list[tuple[Any, Any, Any, Any]],
-                give_up_open_backward: bool) -> list[tuple[float, float]] | None:
-        return _seconds_each(self, marks, give_up_open_backward)
+    seconds = _seconds_each
 
     def release(self, *marks: Any) -> None:
         pass
@@ -95,9 +113,7 @@ class EventTimer:
     def elapsed(start: Any, end: Any) -> float:
         return start.elapsed_time(end) * 1e-3
 
-    def seconds(self, marks: list[tuple[Any, Any, Any, Any]],
-                give_up_open_backward: bool) -> list[tuple[float, float]] | None:
-        return _seconds_each(self, marks, give_up_open_backward)
+    seconds = _seconds_each
 
     def release(self, *marks: Any) -> None:
         self._free.extend(m for m in marks if m is not None)
@@ -167,26 +183,6 @@ class NativeTimer:
 
     def pool_size(self) -> int:
         return int(self._marks.events_created() if self.kind == "cuda" else self._marks.slots())
-
-
-def _seconds_each(timer: Any, marks: list[tuple[Any, Any, Any, Any]],
-                  give_up_open_backward: bool) -> list[tuple[float, float]] | None:
-    """(forward, backward) seconds per call from marks read one at a time; None while a mark the
-    device has not passed is needed. A backward that started and has not ended is waited for
-    unless `give_up_open_backward`; an unmeasured backward reads 0."""
-    done, recorded, elapsed = timer.done, timer.recorded, timer.elapsed
-    for f0, f1, b0, b1 in marks:
-        # Both ends are queried: on NPU, elapsed_time synchronises unless both are done.
-        if not (done(f0) and done(f1)):
-            return None
-        if recorded(b0):
-            if not recorded(b1):
-                if not give_up_open_backward:
-                    return None
-            elif not (done(b0) and done(b1)):
-                return None
-    return [(elapsed(f0, f1), elapsed(b0, b1) if recorded(b0) and recorded(b1) else 0.0)
-            for f0, f1, b0, b1 in marks]
 
 
 def _device_name(module: Any, kind: str) -> str:

@@ -165,7 +165,7 @@ class Resolver:
             s = t.seconds([(c.fwd0, c.fwd1, c.bwd0, c.bwd1) for c in group], give_up)
             if s is None:
                 return False
-            seconds.update(zip(group, s))
+            seconds.update(zip(group, s, strict=True))
         for t, group in by_timer.items():
             t.release(*(m for c in group for m in (c.fwd0, c.fwd1, c.bwd0, c.bwd1)))
             for c in group:
