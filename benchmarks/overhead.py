@@ -107,6 +107,7 @@ def variant(name: str, model: nn.Module):
         try:
             yield
         finally:
+            MARKS_SEEN.setdefault(name, set()).update(session.devices.marks().values())
             fadiag.detach()
     elif name in ("floor_python", "floor_native"):
         with floor(name):
@@ -127,6 +128,11 @@ def variant(name: str, model: nn.Module):
                 b.timings.clear()
     else:
         raise ValueError(name)
+
+
+# Which marks each fadiag variant really ran with, across all its blocks: recorded with its figure,
+# so a variant that silently fell back to Python marks shows in the result.
+MARKS_SEEN: dict[str, set[str]] = {}
 
 
 def release_marks(step) -> None:
@@ -222,9 +228,11 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int) -> dic
             "overhead_median": statistics.median(ratios), "overhead_q1": q[0], "overhead_q3": q[2],
             "plain_ms": statistics.median(plain_t) * 1e3, "variant_ms": statistics.median(var_t) * 1e3,
         }
+        if v in MARKS_SEEN:
+            out[v]["marks"] = sorted(MARKS_SEEN.pop(v))
         print(f"{model_name:13s} {v:16s} {statistics.median(ratios) * 100:+7.2f} % "
-              f"(IQR {q[0] * 100:+.2f} .. {q[2] * 100:+.2f}); plain {statistics.median(plain_t) * 1e3:.2f} ms",
-              flush=True)
+              f"(IQR {q[0] * 100:+.2f} .. {q[2] * 100:+.2f}); plain {statistics.median(plain_t) * 1e3:.2f} ms"
+              + (f"; marks {','.join(out[v]['marks'])}" if "marks" in out[v] else ""), flush=True)
     return out
 
 

@@ -299,6 +299,10 @@ class Devices:
         log.info("fadiag: native marks in use on %s", kind)
         return t
 
+    def marks(self) -> dict[str, str]:
+        """Which marks each device kind in use has now: "native" or "python"."""
+        return {k: "native" if isinstance(t, NativeTimer) else "python" for k, t in self._timers.items()}
+
     def name(self) -> str:
         for t in self._timers.values():
             if t.kind != "cpu":

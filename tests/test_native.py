@@ -439,13 +439,14 @@ def test_auto_uses_native_marks_on_cuda_once_the_extension_is_loaded(monkeypatch
     first = devices.timer("cuda")
     if when == "loaded_in_the_background":
         assert isinstance(first, EventTimer)  # Python events until the load is done
+        assert devices.marks() == {"cuda": "python"}
         release.set()
         deadline = time.monotonic() + 5
         while not devices.native_timers and time.monotonic() < deadline:
             time.sleep(0.01)
     timer = devices.timer("cuda")
     assert isinstance(timer, NativeTimer) and devices.native_timers == [timer]
-    assert devices.timer("cuda") is timer
+    assert devices.timer("cuda") is timer and devices.marks() == {"cuda": "native"}
     ext.Marks.assert_called_once_with(True)
     assert caplog.text.count("native marks in use on cuda") == 1  # which marks run is said
 
