@@ -83,12 +83,16 @@ def make(name: str):
     return model, step
 
 
+ATTACH_DEFAULTS: dict = {}
+"""Configuration every fadiag variant attaches with (other scripts set e.g. a CPU device)."""
+
+
 @contextlib.contextmanager
 def variant(name: str, model: nn.Module):
     if name == "plain":
         yield
     elif name.startswith("fadiag"):
-        overrides: dict = {"port": 0}
+        overrides: dict = {"port": 0, **ATTACH_DEFAULTS}
         if name == "fadiag_per_site":
             overrides["per_site"] = True
         if name.startswith("fadiag_sampled"):
