@@ -128,7 +128,7 @@ def block(name: str, model, step, steps: int, acc: dict) -> None:
             for t in timers:
                 t.remove()
     res = acc.setdefault(name, {})
-    for label, column in zip(PHASES, zip(*phases)):
+    for label, column in zip(PHASES, zip(*phases, strict=True), strict=True):
         res.setdefault(label, []).extend(column)
     res.setdefault("sdpa call", []).extend(sdpa)
 
@@ -165,7 +165,7 @@ def main() -> None:
           f"{args.blocks} blocks x {args.steps} steps per variant, interleaved; medians in us")
     rows = list(PHASES) + ["sdpa call"]
     print(f"{'':22s}" + "".join(f"{v:>20s}" for v in variants))
-    base = acc["plain"] if "plain" in acc else None
+    base = acc.get("plain")
     for r in rows:
         cells = []
         for v in variants:
