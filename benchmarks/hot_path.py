@@ -27,7 +27,7 @@ from where_time_goes import per_call_us  # noqa: E402  (the same tiny-call loop)
 
 import fadiag  # noqa: E402
 from fadiag import backends, native, recorder  # noqa: E402
-from fadiag.graph import compiled_autograd_on  # noqa: E402
+from fadiag.graph import compiled_autograd_active  # noqa: E402
 from fadiag.ops import OPS  # noqa: E402
 
 
@@ -162,7 +162,7 @@ def main() -> None:
         "Call object": lambda: recorder.Call("x#0", timer, False, key, None, qkv_args),
         "site (file:line#n)": caller,
         "forward start mark": mark_and_release,
-        "compiled autograd check": compiled_autograd_on,
+        "compiled autograd check": compiled_autograd_active,
         "finish: end mark + C++ hooks": finish_and_release,
     }
     print("pieces (ns per call, best of 5):")

@@ -73,18 +73,25 @@ def follow(node: Any, path: tuple[int, ...]) -> Any:
     return node
 
 
-def compiled_autograd_on() -> bool:
-    """Whether a backward may run under compiled autograd, which only takes Python hooks.
-
-    The C++ hooks cannot describe themselves to it (`compiled_args`), so those calls get the
-    Python hooks. Checked per call (a module lookup) since it can be switched on at any time.
+def compiled_autograd_active() -> bool:
+    """Whether compiled autograd is switched on now (its context manager), which only takes
+    Python hooks: the C++ hooks cannot describe themselves to it (`compiled_args`), so those calls
+    get Python hooks. A module global, cheap enough to read on every call.
     """
     ca = sys.modules.get("torch._dynamo.compiled_autograd")
-    if ca is None:
+    return ca is not None and bool(getattr(ca, "compiled_autograd_enabled", False))
+
+
+def compiled_autograd_configured() -> bool:
+    """Whether `torch._dynamo.config.compiled_autograd` asks compiled code to use it.
+
+    A config read costs ~2 us (dynamo's config module), so it is not read on every call; and
+    dynamo's config is per thread, so it is read on the training thread.
+    """
+    if "torch._dynamo.compiled_autograd" not in sys.modules:
         return False
     config = getattr(sys.modules.get("torch._dynamo"), "config", None)
-    return bool(getattr(ca, "compiled_autograd_enabled", False)
-                or getattr(config, "compiled_autograd", False))
+    return bool(getattr(config, "compiled_autograd", False))
 
 
 def in_reentrant_checkpoint(limit: int = 64) -> bool:

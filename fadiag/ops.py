@@ -96,19 +96,21 @@ def read_sdpa(args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallInfo:
 def quick_sdpa(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any, Any, Any]:
     """q, k, v and the other arguments that change SDPA's choice of kernel, read cheaply."""
     n = len(args)
-    if n >= 3 and not kwargs:
-        mask = args[3] if n > 3 else None
-        dropout = args[4] if n > 4 else 0.0
-        causal = args[5] if n > 5 else False
-        return args[0], args[1], args[2], (causal, dropout > 0.0, mask_key(mask), False)
-    q = _opt(kwargs, args, 0, "query", None)
-    k = _opt(kwargs, args, 1, "key", None)
-    v = _opt(kwargs, args, 2, "value", None)
-    mask = _opt(kwargs, args, 3, "attn_mask", None)
-    dropout = _opt(kwargs, args, 4, "dropout_p", 0.0)
-    causal = _opt(kwargs, args, 5, "is_causal", False)
+    if n >= 3:  # q, k, v by position (nearly every caller); the flags either way
+        get = kwargs.get
+        mask = args[3] if n > 3 else get("attn_mask")
+        dropout = args[4] if n > 4 else get("dropout_p", 0.0)
+        causal = args[5] if n > 5 else get("is_causal", False)
+        q, k, v = args[0], args[1], args[2]
+    else:
+        q = _opt(kwargs, args, 0, "query", None)
+        k = _opt(kwargs, args, 1, "key", None)
+        v = _opt(kwargs, args, 2, "value", None)
+        mask = _opt(kwargs, args, 3, "attn_mask", None)
+        dropout = _opt(kwargs, args, 4, "dropout_p", 0.0)
+        causal = _opt(kwargs, args, 5, "is_causal", False)
     return q, k, v, (bool(causal), dropout > 0.0, mask_key(mask),
-                     bool(kwargs.get("enable_gqa", False)))
+                     bool(kwargs.get("enable_gqa", False)) if kwargs else False)
 
 
 def mask_key(mask: Any) -> Any:

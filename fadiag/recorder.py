@@ -19,7 +19,14 @@ import torch
 
 from . import backends
 from .device import Devices, window_peak
-from .graph import SavedBytes, compiled_autograd_on, find_fused, follow, in_reentrant_checkpoint
+from .graph import (
+    SavedBytes,
+    compiled_autograd_active,
+    compiled_autograd_configured,
+    find_fused,
+    follow,
+    in_reentrant_checkpoint,
+)
 from .memory import standard_bytes
 from .ops import AttentionOp, CallInfo, mask_key
 
@@ -135,6 +142,9 @@ class Recorder:
         self.signatures: dict[Any, Signature] = {}
         self.backward_seen = False
         self.in_backward = 0
+        self.compiled_autograd_configured = False
+        """dynamo's compiled_autograd config flag: a slow read, so read at start and at each step
+        boundary, never per call (and on this thread: dynamo's config is per thread)."""
         self.optimizer_seen = False
         self.fallback_mode = False
         self._phases: list[list[Call]] = []
@@ -149,6 +159,7 @@ class Recorder:
     def start(self) -> None:
         self.enabled = True
         self.measuring = self._sampled(self.step_index)
+        self.compiled_autograd_configured = compiled_autograd_configured()
 
     def stop(self) -> None:
         self.enabled = False
@@ -256,8 +267,8 @@ class Recorder:
             timer, sig = call.timer, call.sig
             info, qkv = call.info, call.qkv
             call.info = call.qkv = None  # a pending call must not keep the inputs alive
-            if (sig is not None and qkv is not None and timer.native
-                    and sig.fused_path is not None and not compiled_autograd_on()):
+            if (sig is not None and qkv is not None and timer.native and sig.fused_path is not None
+                    and not self.compiled_autograd_configured and not compiled_autograd_active()):
                 # The steady state with native marks: one C++ call takes the end mark and hooks
                 # the backward.
                 call.fwd1, call.bwd0, call.bwd1 = timer.finish(op.output(out), sig.fused_path)
@@ -441,6 +452,7 @@ class Recorder:
                 t.reset_in_backward()
             self.step_index += 1
             self.measuring = self.enabled and self._sampled(self.step_index)
+            self.compiled_autograd_configured = compiled_autograd_configured()
             if closed is not None:  # an unsampled step has nothing to resolve
                 self._on_step(closed)
         except Exception as e:

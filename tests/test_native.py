@@ -384,6 +384,33 @@ def test_compiled_autograd_still_trains_with_native_marks(ext, around):
         assert all(timed)
 
 
+def test_the_compiled_autograd_config_flag_is_read_at_each_step_boundary(ext):
+    """`torch._dynamo.config.compiled_autograd` (a slow read, and per thread) is read at attach and
+    at each step boundary, never per call: from the step after it is set, calls get Python
+    backward hooks, which compiled autograd can run; after it is cleared, C++ hooks again."""
+    import torch._dynamo
+    from torch._dynamo import compiled_autograd  # noqa: F401  (what compiled code has loaded)
+
+    s = attach(native="on")
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    F.scaled_dot_product_attention(q, q * 2, q * 3).sum().backward()  # learns the signature
+    fadiag.step()
+
+    def hooked_in_cpp() -> bool:
+        F.scaled_dot_product_attention(q, q * 2, q * 3)  # no backward yet
+        hooked = s.recorder.calls[-1].bwd0 is not None  # C++ hooks take their slots at once
+        fadiag.step()
+        return hooked
+
+    assert hooked_in_cpp()
+    with torch._dynamo.config.patch(compiled_autograd=True):
+        assert hooked_in_cpp()  # read at the last boundary, before it was set
+        assert not hooked_in_cpp()
+    assert not hooked_in_cpp()
+    assert hooked_in_cpp()
+    assert s.flush(10) and s.errors == 0
+
+
 def test_a_background_build_serves_every_session_that_asked_during_it(monkeypatch):
     monkeypatch.setattr(native, "_modules", {})
     monkeypatch.setattr(native, "_failures", {})

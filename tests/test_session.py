@@ -367,3 +367,26 @@ def test_outer_saved_tensor_hooks_still_see_what_attention_saves():
     assert run() == plain  # a cached call
     fadiag.step()
     assert resolved(s).calls[0].kept_bytes is not None
+
+
+def test_the_quick_argument_reader_agrees_with_the_full_one_in_every_calling_style():
+    """The hot path reads SDPA's arguments its own cheap way; the signature it keys on must not
+    depend on how the caller spelled them, and must change with anything that changes the kernel."""
+    from fadiag.ops import quick_sdpa, read_sdpa
+
+    q = torch.randn(1, 2, 8, 4)
+    mask = torch.ones(8, 8, dtype=torch.bool)
+    same = [((q, q, q, mask, 0.0, True), {}), ((q, q, q), {"attn_mask": mask, "is_causal": True}),
+            ((q, q, q, mask), {"is_causal": True, "scale": None}),
+            ((), {"query": q, "key": q, "value": q, "attn_mask": mask, "is_causal": True})]
+    extras = set()
+    for args, kwargs in same:
+        a, b, c, extra = quick_sdpa(args, kwargs)
+        info = read_sdpa(args, kwargs)
+        assert a is b is c is q and info.q is q and info.causal is True and info.mask is mask
+        extras.add(extra)
+    assert len(extras) == 1
+    different = [((q, q, q), {}), ((q, q, q, mask), {}), ((q, q, q), {"is_causal": True}),
+                 ((q, q, q), {"dropout_p": 0.1}), ((q, q, q), {"enable_gqa": True})]
+    seen = extras | {quick_sdpa(a, k)[3] for a, k in different}
+    assert len(seen) == 1 + len(different)
