@@ -5,10 +5,11 @@ same code runs between large ops that evict its code and data from the CPU's cac
 piece costs more. This script runs the launch-bound GPT step of `overhead.py` (on CUDA; a small
 GPT on CPU) and records, per step, the host time of each phase (forward with loss, backward,
 optimizer step with zero_grad), the host time of each SDPA call seen from outside fadiag's
-wrapper, and the time of fadiag's own pieces (each timed by a thin wrapper, ~0.2 us each), for
+wrapper, and the time of fadiag's own pieces (each timed by a thin wrapper), for
 plain steps, the floor (four C++ marks per call) and fadiag. Variants are interleaved in blocks;
-figures are medians over all blocks; the resolver thread's work per step is the sum of its timed
-`_try_resolve` calls over the steps. Usage:
+fadiag's pieces are timed in blocks of their own, so their wrappers cost nothing in the phase and
+SDPA figures. Figures are medians over all blocks; the resolver thread's work per step is the sum
+of its timed `_try_resolve` calls over the steps. Usage:
 
     python benchmarks/in_situ.py [--device cuda] [--blocks 8] [--steps 100]
 """
@@ -104,33 +105,35 @@ def outer_sdpa_timer(into: list[float]):
     return inner
 
 
-def block(name: str, model, step, steps: int, acc: dict) -> None:
+def block(name: str, model, step, steps: int, acc: dict, pieces: bool) -> None:
+    """One block of `steps` steps. With `pieces`, fadiag's pieces are timed and nothing else (the
+    wrappers that time them cost the step too); without, the phases and the SDPA calls."""
     phases: list[tuple[float, float, float]] = []
     sdpa: list[float] = []
+    res = acc.setdefault(name, {})
     with variant(name, model):
         session = fadiag.current_session() if name.startswith("fadiag") else None
         timers = []
-        if session is not None:
+        if pieces and session is not None:
             owners = {"recorder": session.recorder, "devices": session.devices,
                       "resolver": session.resolver}
-            for owner, attr in PIECES:
-                into = acc.setdefault(name, {}).setdefault(attr, [])
-                timers.append(Timed(owners[owner], attr, into))
+            timers = [Timed(owners[owner], attr, res.setdefault(attr, [])) for owner, attr in PIECES]
         step([])  # untimed: signatures learned on the first measured step
-        inner = outer_sdpa_timer(sdpa)
+        inner = outer_sdpa_timer(sdpa) if not pieces else None
         try:
             for _ in range(steps):
                 step(phases)
             if session is not None:
                 session.flush(30)
         finally:
-            F.scaled_dot_product_attention = inner
+            if inner is not None:
+                F.scaled_dot_product_attention = inner
             for t in timers:
                 t.remove()
-    res = acc.setdefault(name, {})
-    for label, column in zip(PHASES, zip(*phases, strict=True), strict=True):
-        res.setdefault(label, []).extend(column)
-    res.setdefault("sdpa call", []).extend(sdpa)
+    if not pieces:
+        for label, column in zip(PHASES, zip(*phases, strict=True), strict=True):
+            res.setdefault(label, []).extend(column)
+        res.setdefault("sdpa call", []).extend(sdpa)
 
 
 def us(values: list[float]) -> str:
@@ -158,7 +161,9 @@ def main() -> None:
     acc: dict = {}
     for _ in range(args.blocks):
         for v in variants:
-            block(v, model, step, args.steps, acc)
+            block(v, model, step, args.steps, acc, pieces=False)
+            if v.startswith("fadiag"):
+                block(v, model, step, args.steps, acc, pieces=True)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"device {args.device} ({name}), torch {torch.__version__}; launch-bound GPT step "
           f"({'overhead.py' if args.device == 'cuda' else '6 layers, d=64, T=32, CPU'}), "
