@@ -70,6 +70,9 @@ class CpuTimer:
     def pool_size(self) -> int:
         return 0
 
+    def marks_in_use(self) -> int:
+        return 0
+
 
 class EventTimer:
     """Device events for CUDA and Ascend NPU, which share the event API.
@@ -123,6 +126,10 @@ class EventTimer:
 
     def pool_size(self) -> int:
         return self._created
+
+    def marks_in_use(self) -> int:
+        """Marks handed out and not given back yet (a leak shows here)."""
+        return self._created - len(self._free)
 
 
 class NativeTimer:
@@ -183,6 +190,10 @@ class NativeTimer:
 
     def pool_size(self) -> int:
         return int(self._marks.events_created() if self.kind == "cuda" else self._marks.slots())
+
+    def marks_in_use(self) -> int:
+        """Slots handed out and not given back yet (a leak shows here)."""
+        return int(self._marks.in_use())
 
 
 def _device_name(module: Any, kind: str) -> str:

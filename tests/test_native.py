@@ -478,6 +478,26 @@ def test_auto_uses_native_marks_on_cuda_once_the_extension_is_loaded(monkeypatch
     assert caplog.text.count("native marks in use on cuda") == 1  # which marks run is said
 
 
+def test_every_slot_comes_back_once_steps_are_resolved(ext):
+    """Slots are handed out per call and given back when its step is resolved, including calls
+    whose backward never ran (their graph freed) and the backward of a call inside no_grad."""
+    s = attach(native="on")
+    timer = s.devices.timer("cpu")
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    for _ in range(20):
+        F.scaled_dot_product_attention(q, q * 2, q * 3).sum().backward()
+        F.scaled_dot_product_attention(q, q * 2, q * 3)  # its graph is freed, never run
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, q, q)
+        fadiag.step()
+    assert s.flush(10)
+    assert timer.marks_in_use() == 0 and timer.pool_size() > 0
+    F.scaled_dot_product_attention(q, q * 2, q * 3)  # an open step holds its call's slots
+    assert timer.marks_in_use() == 4
+    fadiag.step()
+    assert s.flush(10) and timer.marks_in_use() == 0 and s.errors == 0
+
+
 def test_a_call_whose_forward_marks_failed_is_left_out_of_its_step(ext):
     s = attach(native="on")
     timer = s.devices.timer("cpu")
@@ -495,3 +515,4 @@ def test_a_call_whose_forward_marks_failed_is_left_out_of_its_step(ext):
     train(model, steps=1)
     assert resolved(s).step == 2
     assert timer.pool_size() == 4 * 2  # the second step reused the first one's slots
+    assert timer.marks_in_use() == 0  # the failed call's slots came back too

@@ -141,6 +141,12 @@ class Pool {
     return next_;
   }
 
+  // Slots handed out by take() and not given back yet.
+  int64_t in_use() {
+    std::lock_guard<std::mutex> lock(slots_mu_);
+    return next_ - static_cast<int64_t>(free_.size());
+  }
+
   bool recorded(int64_t slot) const {
     const Slot* s = at(slot);
     return s != nullptr && s->recorded.load(std::memory_order_acquire);
@@ -388,6 +394,7 @@ class Marks {
     return out;
   }
   int64_t slots() { return pool_->slots(); }
+  int64_t in_use() { return pool_->in_use(); }
 
   // Hook the backward of `out`'s autograd node (start) and of the node `path` leads to from it
   // (end: the fused attention node). False when `out` has no grad_fn or the path is broken.
@@ -454,6 +461,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("give_back_all", &Marks::give_back_all)
       .def("seconds", &Marks::seconds, pybind11::call_guard<pybind11::gil_scoped_release>())
       .def("slots", &Marks::slots)
+      .def("in_use", &Marks::in_use)
       .def("hook", &Marks::hook)
       .def("finish", &Marks::finish)
       .def("events_created", &Marks::events_created)
