@@ -19,6 +19,7 @@ from typing import Any
 import torch
 
 from . import __version__, memory
+from .device import available
 from .errors import FadiagError
 from .estimate import human_bytes
 
@@ -197,14 +198,7 @@ class BenchReport:
 
 def default_device() -> str:
     """The accelerator this machine has: npu (torch_npu imports and sees one), cuda, else cpu."""
-    try:
-        import torch_npu  # noqa: F401  (registers torch.npu)
-
-        if torch.npu.is_available():  # type: ignore[attr-defined]
-            return "npu"
-    except ImportError:
-        pass
-    return "cuda" if torch.cuda.is_available() else "cpu"
+    return next(kind for kind in ("npu", "cuda", "cpu") if available(kind))
 
 
 class Accelerator:

@@ -159,19 +159,6 @@ class TinyGPT(nn.Module):
         return self.ln(x) @ self.tok.weight.T
 
 
-def device_available(kind: str) -> bool:
-    """Whether the demo can train on this device kind."""
-    if kind == "cpu":
-        return True
-    if kind == "npu":
-        try:
-            import torch_npu  # noqa: F401  - registers torch.npu
-        except ImportError:
-            return False
-    module = getattr(torch, kind, None)
-    return bool(module is not None and module.is_available())
-
-
 class _View:
     """Where step rows go: a rich live table on a terminal, plain lines elsewhere."""
 

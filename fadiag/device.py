@@ -329,6 +329,23 @@ def _make_timer(kind: str) -> Any:
     return CpuTimer()
 
 
+def available(kind: str) -> bool:
+    """Whether torch sees a `kind` device ("cpu", "cuda", "npu") here. For "npu", torch_npu is
+    imported first: importing it is what registers `torch.npu`."""
+    if kind == "cpu":
+        return True
+    if kind == "npu":
+        try:
+            import torch_npu  # noqa: F401
+        except ImportError:
+            return False
+    module = getattr(torch, kind, None)
+    try:
+        return bool(module is not None and module.is_available())
+    except Exception:
+        return False
+
+
 def default_device_type() -> str:
     """The accelerator this process would train on: npu, cuda or cpu."""
     npu = getattr(torch, "npu", None)

@@ -7,6 +7,8 @@ which is what would synchronise a real NPU.
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -114,3 +116,17 @@ def test_flash_attn_varlen_reads_batch_from_cu_seqlens():
     cu = torch.tensor([0, 3, 10], dtype=torch.int32)
     info = read_flash_attn_varlen((q, q, q, cu, cu, 7, 7), {"causal": True})
     assert info.shape == (2, 4, 7, 7, 16) and info.causal and info.layout == "TND"
+
+
+def test_the_cli_finds_an_ascend_device_through_torch_npu(monkeypatch):
+    """`fadiag bench` and `fadiag demo` look for a device the same way: npu when torch_npu imports
+    and sees one (importing it registers torch.npu), else cuda, else cpu."""
+    from fadiag import bench
+    from fadiag.device import available
+
+    monkeypatch.setitem(sys.modules, "torch_npu", None)  # not installed: import fails
+    assert not available("npu") and available("cpu")
+    assert bench.default_device() == ("cuda" if torch.cuda.is_available() else "cpu")
+    monkeypatch.delitem(sys.modules, "torch_npu")
+    with fake_npu():
+        assert available("npu") and bench.default_device() == "npu"

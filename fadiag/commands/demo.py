@@ -35,9 +35,10 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..demo import DemoConfig, device_available, run_demo
+    from ..demo import DemoConfig, run_demo
+    from ..device import available
 
-    if not device_available(args.device):
+    if not available(args.device):
         args._parser.error(f"argument --device: {args.device} is not available on this machine")
     cfg = DemoConfig(steps=args.steps, port=args.port, device=args.device,
                      force_math=args.force_math, slow_backward=args.slow_backward,
