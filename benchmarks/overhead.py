@@ -301,6 +301,8 @@ def main() -> None:
     p.add_argument("--models", default="gpu_bound,launch_bound")
     p.add_argument("--pairs", type=int, default=20)
     p.add_argument("--launch-steps", type=int, default=30, help="steps per launch-bound block")
+    p.add_argument("--gpu-steps", type=int, default=5,
+                   help="steps per GPU-bound block (each block ends in a device synchronise)")
     p.add_argument("--memory-steps", type=int, default=0,
                    help="also measure host RSS and device memory over this many steps (e.g. 10000)")
     args = p.parse_args()
@@ -313,7 +315,7 @@ def main() -> None:
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     result["host_cost"] = host_cost_per_call()
     for m in filter(None, args.models.split(",")):  # --models "" measures memory only
-        steps = 5 if m == "gpu_bound" else args.launch_steps
+        steps = args.gpu_steps if m == "gpu_bound" else args.launch_steps
         pairs = args.pairs if m == "gpu_bound" else max(args.pairs, 30)
         result[m] = measure(m, variants, pairs, steps)
     if args.memory_steps:
