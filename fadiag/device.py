@@ -153,6 +153,7 @@ class NativeTimer:
         self.kind = kind
         self._module = module
         self._marks = extension.Marks(kind == "cuda")
+        self._fast_begin = getattr(extension, "FastBegin", None)  # None before Python 3.11
         self._errors_seen = 0
         self.backward_starts_seen = 0
         self.name = _device_name(module, kind) if module is not None else "cpu"
@@ -168,6 +169,12 @@ class NativeTimer:
         self.window = self._marks.window
         self.wait_window = self._marks.wait_window
         self._give_back_all = self._marks.give_back_all
+
+    def fast_begin(self, *state: Any) -> Any:
+        """The C++ start of a steady-state SDPA call on this timer's device (see `FastBegin` in
+        marks.cpp for `state`), or None where the build has none."""
+        return None if self._fast_begin is None else self._fast_begin(self._marks, self, self.kind,
+                                                                       *state)
 
     def seconds(self, marks: list[tuple[Any, Any, Any, Any]],
                 give_up_open_backward: bool) -> list[tuple[float, float]] | None:

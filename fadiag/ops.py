@@ -109,6 +109,7 @@ def quick_sdpa(args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, Any,
         mask = _opt(kwargs, args, 3, "attn_mask", None)
         dropout = _opt(kwargs, args, 4, "dropout_p", 0.0)
         causal = _opt(kwargs, args, 5, "is_causal", False)
+    # scale and enable_gqa are keyword-only
     return q, k, v, (bool(causal), dropout > 0.0, mask_key(mask),
                      bool(kwargs.get("enable_gqa", False)) if kwargs else False)
 

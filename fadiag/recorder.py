@@ -152,6 +152,9 @@ class Recorder:
         self._recompute_counts: dict[str, int] = {}
         self._internal: dict[Any, bool] = {}
         self._locations: dict[tuple[Any, int], str] = {}
+        self._fast: Any = None
+        """C++ start of steady-state SDPA calls on the one native timer (NativeTimer.fast_begin)."""
+        self._fast_timer: Any = None
         self._lock = threading.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -210,6 +213,11 @@ class Recorder:
 
     def begin(self, op: AttentionOp, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call | None:
         try:
+            fast = self._fast
+            if fast is not None and op.sdpa_like:
+                call = fast.begin(args, kwargs, self.calls, self.backward_seen)
+                if call is not None:
+                    return call
             grad = _grad_enabled()
             if not grad and not self.record_no_grad and not in_reentrant_checkpoint():
                 return None
@@ -235,6 +243,8 @@ class Recorder:
             sig = self.signatures.get(key)
             if sig is None and info is None:
                 info = op.read(args, kwargs)
+            elif sig is not None and op.sdpa_like and grad and not recompute:
+                self._remember(args, kwargs, sig)
             call = Call(self._site(recompute), self.devices.timer(dev.type), recompute, key,
                         info, (q, k, v))
             call.sig = sig
@@ -245,6 +255,22 @@ class Recorder:
         except Exception as e:
             self._on_error("recorder.begin", e)
             return None
+
+    def _remember(self, args: tuple[Any, ...], kwargs: dict[str, Any], sig: Signature) -> None:
+        """Let the C++ fast path start calls like this one (a signature Python has learned)."""
+        timers = self.devices.native_timers
+        if len(timers) != 1:  # it watches one native timer's backward counter
+            self._fast = self._fast_timer = None
+            return
+        if self._fast_timer is not timers[0]:
+            self._fast_timer = timers[0]
+            # skip=2: from begin's frame past the wrapper's to its caller's, as _site does.
+            self._fast = timers[0].fast_begin(
+                self._internal, self._locations, self._site_counts, Call, 2, self.max_calls,
+                (backends._FLASH, backends._EFFICIENT, backends._MATH, backends._CUDNN),
+                _graph_task_id)
+        if self._fast is not None:
+            self._fast.remember(args, kwargs, sig)
 
     def probe_forward(self, call: Call, original: Callable[..., Any], args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> Any:
@@ -409,7 +435,7 @@ class Recorder:
     def _new_phase(self) -> None:
         """A forward after a backward: a new micro-batch (or, without optimizer, a new step)."""
         self.backward_seen = False
-        self._site_counts = {}
+        self._site_counts.clear()  # in place: the C++ fast path holds this dict
         self._recompute_counts = {}
         if self.optimizer_seen or not self.calls:
             return
@@ -443,10 +469,12 @@ class Recorder:
             closed = ClosedStep(self.step_index, self.calls) if self.calls else None
             self.calls = []
             self.calls_since_boundary = 0
-            self._site_counts = {}
+            self._site_counts.clear()
             self._recompute_counts = {}
             self.backward_seen = False
             self._native_backward_seen()
+            if self._fast is not None and len(self.devices.native_timers) != 1:
+                self._fast = self._fast_timer = None  # it watches a single timer's counter
             self.in_backward = 0
             for t in self.devices.native_timers:
                 t.reset_in_backward()

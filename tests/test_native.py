@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 import sysconfig
 import threading
 import time
@@ -516,3 +517,70 @@ def test_a_call_whose_forward_marks_failed_is_left_out_of_its_step(ext):
     assert resolved(s).step == 2
     assert timer.pool_size() == 4 * 2  # the second step reused the first one's slots
     assert timer.marks_in_use() == 0  # the failed call's slots came back too
+
+
+def _workload() -> None:
+    """Calls that the fast path must start exactly as Python does, or hand back to it: two call
+    sites, micro-batches (phases), checkpointed recomputation, a backend switch, masks, dropout,
+    grouped-query attention, a call without backward and one under no_grad."""
+    torch.manual_seed(0)
+    train(GPT(layers=2), steps=3, micro_batches=2)
+    train(GPT(layers=2, checkpointing="non_reentrant"), steps=2)
+    q = torch.randn(1, 4, 16, 8, requires_grad=True)
+    kv = torch.randn(1, 2, 16, 8, requires_grad=True)
+    mask = torch.ones(16, 16, dtype=torch.bool).tril()
+    for i in range(8):
+        outs = [F.scaled_dot_product_attention(q, q, q, is_causal=i % 2 == 0),
+                F.scaled_dot_product_attention(q, q, q, mask if i % 3 else None),
+                F.scaled_dot_product_attention(q, q, q, dropout_p=0.5 if i == 5 else 0.0),
+                F.scaled_dot_product_attention(q, kv, kv, None, 0.0, False, enable_gqa=True)]
+        if i == 4:
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+                outs.append(F.scaled_dot_product_attention(q, q, q))
+        sum(o.sum() for o in outs).backward()
+        F.scaled_dot_product_attention(q, q, q)  # never backpropagated
+        with torch.no_grad():
+            F.scaled_dot_product_attention(q, q, q)
+        fadiag.step()
+
+
+def _run_workload(monkeypatch, fast: bool):
+    if not fast:
+        monkeypatch.setattr(NativeTimer, "fast_begin", lambda self, *state: None)
+    s = attach(native="on")
+    python_begins = []
+    site = s.recorder._site
+    s.recorder._site = lambda recompute: python_begins.append(1) or site(recompute)
+    _workload()
+    assert s.flush(10) and s.errors == 0
+    reports = [(r.step, [(c.site, c.impl, c.shape, c.dtype, c.causal, c.dropout, c.recompute,
+                          c.kv_heads, c.backward_seconds > 0) for c in r.calls])
+               for r in s.history()]
+    fadiag.detach()
+    monkeypatch.undo()
+    return reports, len(python_begins)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the fast path needs Python 3.11's frame API")
+def test_the_fast_path_starts_calls_exactly_as_python_does(ext, monkeypatch):
+    python_only, begins_python = _run_workload(monkeypatch, fast=False)
+    with_fast, begins_fast = _run_workload(monkeypatch, fast=True)
+    assert with_fast == python_only
+    calls = sum(len(calls) for _, calls in with_fast)
+    assert begins_python == calls
+    # Python starts the first calls of each signature, each phase's first call after a
+    # backward, recomputations and the no_grad call; the C++ path the rest.
+    print(f"{calls} calls: {begins_fast} started in Python with the fast path, {begins_python} without")
+    assert begins_fast < calls / 2, (begins_fast, calls)
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the fast path needs Python 3.11's frame API")
+def test_the_fast_path_is_used_for_one_native_timer_only(ext):
+    s = attach(native="on")
+    train(GPT(layers=2), steps=3)
+    assert s.recorder._fast is not None and s.recorder._fast.size() == 1
+    second = NativeTimer("cpu", native.load("cpu"))
+    s.devices.native_timers.append(second)  # a second native device kind: counters differ
+    train(GPT(layers=2), steps=2)
+    assert s.recorder._fast is None
+    assert s.flush(10) and s.errors == 0

@@ -390,3 +390,4 @@ def test_the_quick_argument_reader_agrees_with_the_full_one_in_every_calling_sty
                  ((q, q, q), {"dropout_p": 0.1}), ((q, q, q), {"enable_gqa": True})]
     seen = extras | {quick_sdpa(a, k)[3] for a, k in different}
     assert len(seen) == 1 + len(different)
+

@@ -7,10 +7,17 @@
 // slots they were given, and a slot's generation guards against a late hook writing into a slot
 // that has since been reused. Nothing here synchronises with the device, and nothing thrown here
 // ever reaches the autograd engine: errors are counted and read from Python.
+//
+// `FastBegin` is the start of a measured SDPA call in its steady state (a signature seen before,
+// grad on, not a recomputation, no backward since the last call): what Recorder.begin does in
+// Python, in one C++ call. Anything else it hands back to Python by returning None, before it has
+// changed anything.
 
 #include <torch/extension.h>
+#include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/python_variable.h>
 
 #include <atomic>
 #include <chrono>
@@ -22,6 +29,7 @@
 #include <optional>
 #include <string>
 #include <tuple>
+#include <unordered_map>
 #include <vector>
 
 #ifdef FADIAG_CUDA
@@ -435,9 +443,219 @@ class Marks {
   bool window() const { return pool_->window(); }
   bool wait_window(double timeout_s) { return pool_->wait_window(timeout_s); }
 
+ std::shared_ptr<Pool> pool() const { return pool_; }
+
  private:
   std::shared_ptr<Pool> pool_;
 };
+
+
+#if PY_VERSION_HEX >= 0x030B0000  // PyFrame_GetLasti
+namespace py = pybind11;
+
+// Everything that tells SDPA calls apart, as Recorder.begin's signature key does (and no less).
+struct FastKey {
+  std::vector<int64_t> v;
+  bool operator==(const FastKey& o) const { return v == o.v; }
+};
+
+struct FastKeyHash {
+  size_t operator()(const FastKey& k) const {
+    size_t h = 0;
+    for (int64_t x : k.v) h = h * 1000003u ^ std::hash<int64_t>()(x);
+    return h;
+  }
+};
+
+class FastBegin {
+ public:
+  // `timer`: the NativeTimer whose marks these are, serving tensors on `device_type`;
+  // `internal`, `locations`, `site_counts`: the Recorder's site dicts (code -> is internal,
+  // (code, lasti) -> "file:line", "file:line" -> calls this pass); `call_class`: Recorder's Call;
+  // `skip`: frames between this call and the wrapper's caller; `flags`: the four SDPA backend
+  // switches and torch's current graph task id, as Python callables.
+  FastBegin(Marks& marks, py::object timer, const std::string& device_type, py::dict internal,
+            py::dict locations, py::dict site_counts, py::object call_class, int64_t skip,
+            int64_t max_calls, py::tuple flags, py::object graph_task_id)
+      : pool_(marks.pool()),
+        timer_(std::move(timer)),
+        device_type_(c10::Device(device_type).type()),
+        internal_(std::move(internal)),
+        locations_(std::move(locations)),
+        site_counts_(std::move(site_counts)),
+        call_class_(std::move(call_class)),
+        skip_(skip),
+        max_calls_(max_calls),
+        flags_(std::move(flags)),
+        graph_task_id_(std::move(graph_task_id)),
+        seen_name_(py::str("backward_starts_seen")) {}
+
+  // The call's record (already in `calls`, its forward start mark taken), or None.
+  py::object begin(py::tuple args, py::dict kwargs, py::list calls, bool backward_seen) {
+    if (!c10::GradMode::is_enabled() || backward_seen ||
+        static_cast<int64_t>(PyList_GET_SIZE(calls.ptr())) >= max_calls_) {
+      return py::none();
+    }
+    if (py::cast<int64_t>(graph_task_id_()) != -1) return py::none();  // a recomputation
+    if (py::cast<int64_t>(timer_.attr(seen_name_)) != pool_->backward_starts()) {
+      return py::none();  // a backward ran since the last call: Python opens a new phase
+    }
+    FastKey key;
+    if (!make_key(args, kwargs, key)) return py::none();
+    auto found = sigs_.find(key);
+    if (found == sigs_.end()) return py::none();
+    py::object loc = location();
+    if (!loc) return py::none();
+    // Nothing was changed above; from here on the call is recorded.
+    PyObject* count = PyDict_GetItem(site_counts_.ptr(), loc.ptr());  // borrowed
+    const int64_t n = count == nullptr ? 0 : PyLong_AsLongLong(count);
+    site_counts_[loc] = py::int_(n + 1);
+    py::object site = py::reinterpret_steal<py::object>(
+        PyUnicode_FromFormat("%U#%lld", loc.ptr(), static_cast<long long>(n)));
+    py::object call = call_class_(site, timer_, false, py::none(), py::none(),
+                                  py::make_tuple(args[0], args[1], args[2]));
+    call.attr("sig") = found->second;
+    calls.append(call);
+    const int64_t slot = pool_->take();
+    pool_->mark(slot, 0, false);
+    call.attr("fwd0") = py::int_(slot);
+    return call;
+  }
+
+  // Python found `sig` for these arguments: later calls like them take the fast path.
+  void remember(py::tuple args, py::dict kwargs, py::object sig) {
+    FastKey key;
+    if (make_key(args, kwargs, key)) sigs_[std::move(key)] = std::move(sig);
+  }
+
+  int64_t size() const { return static_cast<int64_t>(sigs_.size()); }
+
+ private:
+  static bool tensor(PyObject* o, at::Tensor& out) {
+    if (!THPVariable_Check(o)) return false;
+    out = THPVariable_Unpack(o);
+    return true;
+  }
+
+  static void shape(const at::Tensor& t, std::vector<int64_t>& v) {
+    v.push_back(t.dim());
+    for (int64_t s : t.sizes()) v.push_back(s);
+  }
+
+  // q, k, v by position; attn_mask, dropout_p, is_causal by position or keyword; enable_gqa by
+  // keyword (as quick_sdpa reads them; scale changes no kernel choice). False: leave the call to
+  // Python.
+  bool make_key(const py::tuple& args, const py::dict& kwargs, FastKey& key) const {
+    const Py_ssize_t n = PyTuple_GET_SIZE(args.ptr());
+    if (n < 3) return false;
+    auto arg = [&](Py_ssize_t i, const char* name) -> PyObject* {
+      if (n > i) return PyTuple_GET_ITEM(args.ptr(), i);
+      return PyDict_GetItemString(kwargs.ptr(), name);  // borrowed, or null
+    };
+    at::Tensor q, k, v;
+    if (!tensor(PyTuple_GET_ITEM(args.ptr(), 0), q) || !tensor(PyTuple_GET_ITEM(args.ptr(), 1), k) ||
+        !tensor(PyTuple_GET_ITEM(args.ptr(), 2), v)) {
+      return false;
+    }
+    if (q.device().type() != device_type_) return false;
+    auto& out = key.v;
+    out.reserve(40);
+    shape(q, out);
+    shape(k, out);
+    shape(v, out);
+    out.push_back(static_cast<int64_t>(q.scalar_type()));
+    out.push_back(q.device().index());
+    out.push_back(q.requires_grad());
+    out.push_back(k.requires_grad());
+    out.push_back(v.requires_grad());
+    for (const auto& f : flags_) {
+      const int truth = PyObject_IsTrue(f().ptr());
+      if (truth < 0) throw py::error_already_set();
+      out.push_back(truth);
+    }
+    PyObject* dropout = arg(4, "dropout_p");
+    double p = 0.0;
+    if (dropout != nullptr) {
+      p = PyFloat_AsDouble(dropout);
+      if (p == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return false;
+      }
+    }
+    out.push_back(p > 0.0);
+    for (PyObject* o : {arg(5, "is_causal"), PyDict_GetItemString(kwargs.ptr(), "enable_gqa")}) {
+      const int truth = o == nullptr ? 0 : PyObject_IsTrue(o);
+      if (truth < 0) {
+        PyErr_Clear();
+        return false;
+      }
+      out.push_back(truth);
+    }
+    PyObject* mask = arg(3, "attn_mask");
+    at::Tensor m;
+    if (mask == nullptr || mask == Py_None) {
+      out.push_back(0);
+    } else if (tensor(mask, m)) {
+      out.push_back(2);
+      out.push_back(static_cast<int64_t>(m.scalar_type()));
+      out.push_back(m.requires_grad());
+      shape(m, out);
+    } else {
+      return false;  // a mask that is not a tensor: Python's reader decides
+    }
+    return true;
+  }
+
+  // The caller's "file:line" as Recorder._site finds it (the first frame outside torch and
+  // fadiag), if both lookups are cached; null otherwise.
+  py::object location() const {
+    PyFrameObject* frame = PyEval_GetFrame();  // borrowed: the frame that called this
+    Py_XINCREF(frame);
+    for (int64_t i = 0; i < skip_ && frame != nullptr; ++i) {
+      PyFrameObject* back = PyFrame_GetBack(frame);
+      Py_DECREF(frame);
+      frame = back;
+    }
+    if (frame == nullptr) return py::object();
+    while (true) {
+      PyFrameObject* back = PyFrame_GetBack(frame);
+      if (back == nullptr) break;
+      PyCodeObject* code = PyFrame_GetCode(frame);
+      PyObject* flag = PyDict_GetItem(internal_.ptr(), reinterpret_cast<PyObject*>(code));
+      Py_DECREF(code);
+      if (flag != Py_True) {
+        Py_DECREF(back);
+        if (flag == nullptr) {  // a code object Python has not classified yet
+          Py_DECREF(frame);
+          return py::object();
+        }
+        break;
+      }
+      Py_DECREF(frame);
+      frame = back;
+    }
+    PyCodeObject* code = PyFrame_GetCode(frame);
+    const int lasti = PyFrame_GetLasti(frame);
+    Py_DECREF(frame);
+    py::tuple lk = py::make_tuple(py::reinterpret_steal<py::object>(reinterpret_cast<PyObject*>(code)),
+                                  py::int_(lasti));
+    PyObject* loc = PyDict_GetItem(locations_.ptr(), lk.ptr());  // borrowed
+    return loc == nullptr ? py::object() : py::reinterpret_borrow<py::object>(loc);
+  }
+
+  std::shared_ptr<Pool> pool_;
+  py::object timer_;
+  c10::DeviceType device_type_;
+  py::dict internal_, locations_, site_counts_;
+  py::object call_class_;
+  int64_t skip_;
+  int64_t max_calls_;
+  py::tuple flags_;
+  py::object graph_task_id_;
+  py::str seen_name_;
+  std::unordered_map<FastKey, py::object, FastKeyHash> sigs_;
+};
+#endif
 
 }  // namespace
 
@@ -472,4 +690,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("window", &Marks::window)
       .def("wait_window", &Marks::wait_window,
            pybind11::call_guard<pybind11::gil_scoped_release>());
+#if PY_VERSION_HEX >= 0x030B0000
+  pybind11::class_<FastBegin>(m, "FastBegin")
+      .def(pybind11::init<Marks&, pybind11::object, const std::string&, pybind11::dict,
+                          pybind11::dict, pybind11::dict, pybind11::object, int64_t, int64_t,
+                          pybind11::tuple, pybind11::object>())
+      .def("begin", &FastBegin::begin)
+      .def("remember", &FastBegin::remember)
+      .def("size", &FastBegin::size);
+#endif
 }
