@@ -28,7 +28,7 @@ from .graph import (
     in_reentrant_checkpoint,
 )
 from .memory import standard_bytes
-from .ops import AttentionOp, CallInfo, mask_key
+from .ops import AttentionOp, CallInfo, mask_key, quick_sdpa
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 _USER_FILES = (os.path.join("fadiag", "demo.py"),)
@@ -155,6 +155,7 @@ class Recorder:
         self._fast: Any = None
         """C++ start of steady-state SDPA calls on the one native timer (NativeTimer.fast_begin)."""
         self._fast_timer: Any = None
+        self._fast_op: AttentionOp | None = None
         self._lock = threading.Lock()
 
     # ---- lifecycle -------------------------------------------------------------------------
@@ -214,7 +215,7 @@ class Recorder:
     def begin(self, op: AttentionOp, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Call | None:
         try:
             fast = self._fast
-            if fast is not None and op.sdpa_like:
+            if fast is not None and op is self._fast_op:
                 call = fast.begin(args, kwargs, self.calls, self.backward_seen)
                 if call is not None:
                     return call
@@ -243,8 +244,8 @@ class Recorder:
             sig = self.signatures.get(key)
             if sig is None and info is None:
                 info = op.read(args, kwargs)
-            elif sig is not None and op.sdpa_like and grad and not recompute:
-                self._remember(args, kwargs, sig)
+            elif sig is not None and op.quick is quick_sdpa and grad and not recompute:
+                self._remember(op, args, kwargs, sig)
             call = Call(self._site(recompute), self.devices.timer(dev.type), recompute, key,
                         info, (q, k, v))
             call.sig = sig
@@ -256,11 +257,18 @@ class Recorder:
             self._on_error("recorder.begin", e)
             return None
 
-    def _remember(self, args: tuple[Any, ...], kwargs: dict[str, Any], sig: Signature) -> None:
-        """Let the C++ fast path start calls like this one (a signature Python has learned)."""
+    def _remember(self, op: AttentionOp, args: tuple[Any, ...], kwargs: dict[str, Any],
+                  sig: Signature) -> None:
+        """Let the C++ fast path start calls like this one (a signature Python has learned).
+
+        It reads SDPA's arguments as `quick_sdpa` does, for the one op that taught it first."""
         timers = self.devices.native_timers
         if len(timers) != 1:  # it watches one native timer's backward counter
             self._fast = self._fast_timer = None
+            return
+        if self._fast_op is None:
+            self._fast_op = op
+        if op is not self._fast_op:
             return
         if self._fast_timer is not timers[0]:
             self._fast_timer = timers[0]

@@ -584,3 +584,16 @@ def test_the_fast_path_is_used_for_one_native_timer_only(ext):
     train(GPT(layers=2), steps=2)
     assert s.recorder._fast is None
     assert s.flush(10) and s.errors == 0
+
+
+def test_nested_inputs_with_native_marks_never_raise(ext):
+    """Jagged nested q, k, v (whose sizes are not plain integers) stay on Python's path."""
+    s = attach(native="on")
+    a = torch.randn(5, 4, 8, requires_grad=True)
+    b = torch.randn(7, 4, 8, requires_grad=True)
+    for _ in range(3):
+        q = torch.nested.as_nested_tensor([a, b], layout=torch.jagged).transpose(1, 2)
+        F.scaled_dot_product_attention(q, q, q).values().sum().backward()
+        fadiag.step()
+    assert s.flush(10) and s.errors == 0
+    assert [len(r.calls) for r in s.history()] == [1, 1, 1] and a.grad is not None

@@ -531,10 +531,11 @@ class FastBegin {
   int64_t size() const { return static_cast<int64_t>(sigs_.size()); }
 
  private:
+  // A plain (strided, not nested) tensor: its sizes are plain integers.
   static bool tensor(PyObject* o, at::Tensor& out) {
     if (!THPVariable_Check(o)) return false;
     out = THPVariable_Unpack(o);
-    return true;
+    return !out.is_nested() && out.layout() == at::kStrided;
   }
 
   static void shape(const at::Tensor& t, std::vector<int64_t>& v) {
