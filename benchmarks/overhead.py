@@ -107,7 +107,7 @@ def variant(name: str, model: nn.Module):
         if name == "fadiag_no_fast":
             # Every call started by Recorder.begin in Python: the C++ fast path never learns a
             # signature (what ran before design change 10).
-            session.recorder._remember = lambda args, kwargs, sig: None
+            session.recorder._remember = lambda *learned: None
         if name == "fadiag_no_resolver":
             # Closed steps give their marks back at once, on the training thread, and the
             # resolver thread never runs: the training thread's own cost alone.

@@ -32,6 +32,9 @@ from .ops import AttentionOp, CallInfo, mask_key, quick_sdpa
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 _USER_FILES = (os.path.join("fadiag", "demo.py"),)
+# dynamo's compiled_autograd config flag is read at a step boundary at most this often: the read
+# costs ~18 us inside a training step, and the flag is set before training in practice.
+_CONFIG_EVERY_S = 1.0
 """fadiag's own files that are user code (the demo's model), so their call sites are named."""
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
@@ -143,8 +146,10 @@ class Recorder:
         self.backward_seen = False
         self.in_backward = 0
         self.compiled_autograd_configured = False
-        """dynamo's compiled_autograd config flag: a slow read, so read at start and at each step
-        boundary, never per call (and on this thread: dynamo's config is per thread)."""
+        """dynamo's compiled_autograd config flag: a slow read, so read at start and then at a step
+        boundary at most every _CONFIG_EVERY_S, never per call (and on the training thread:
+        dynamo's config is per thread)."""
+        self._config_read_at = 0.0
         self.optimizer_seen = False
         self.fallback_mode = False
         self._phases: list[list[Call]] = []
@@ -163,11 +168,15 @@ class Recorder:
     def start(self) -> None:
         self.enabled = True
         self.measuring = self._sampled(self.step_index)
-        self.compiled_autograd_configured = compiled_autograd_configured()
+        self._read_config()
 
     def stop(self) -> None:
         self.enabled = False
         self.measuring = False
+
+    def _read_config(self) -> None:
+        self.compiled_autograd_configured = compiled_autograd_configured()
+        self._config_read_at = time.monotonic()
 
     def _sampled(self, index: int) -> bool:
         return self.every_n_steps <= 1 or index % self.every_n_steps == 0
@@ -488,7 +497,8 @@ class Recorder:
                 t.reset_in_backward()
             self.step_index += 1
             self.measuring = self.enabled and self._sampled(self.step_index)
-            self.compiled_autograd_configured = compiled_autograd_configured()
+            if time.monotonic() - self._config_read_at >= _CONFIG_EVERY_S:
+                self._read_config()
             if closed is not None:  # an unsampled step has nothing to resolve
                 self._on_step(closed)
         except Exception as e:

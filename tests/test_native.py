@@ -385,13 +385,16 @@ def test_compiled_autograd_still_trains_with_native_marks(ext, around):
         assert all(timed)
 
 
-def test_the_compiled_autograd_config_flag_is_read_at_each_step_boundary(ext):
+def test_the_compiled_autograd_config_flag_is_read_at_step_boundaries(ext, monkeypatch):
     """`torch._dynamo.config.compiled_autograd` (a slow read, and per thread) is read at attach and
-    at each step boundary, never per call: from the step after it is set, calls get Python
-    backward hooks, which compiled autograd can run; after it is cleared, C++ hooks again."""
+    at step boundaries, never per call: from the step after it is seen set, calls get Python
+    backward hooks, which compiled autograd can run; after it is seen cleared, C++ hooks again."""
     import torch._dynamo
     from torch._dynamo import compiled_autograd  # noqa: F401  (what compiled code has loaded)
 
+    from fadiag import recorder
+
+    monkeypatch.setattr(recorder, "_CONFIG_EVERY_S", 0.0)  # at every boundary
     s = attach(native="on")
     q = torch.randn(1, 2, 16, 8, requires_grad=True)
     F.scaled_dot_product_attention(q, q * 2, q * 3).sum().backward()  # learns the signature
@@ -409,6 +412,19 @@ def test_the_compiled_autograd_config_flag_is_read_at_each_step_boundary(ext):
         assert not hooked_in_cpp()
     assert not hooked_in_cpp()
     assert hooked_in_cpp()
+    assert s.flush(10) and s.errors == 0
+
+
+def test_the_compiled_autograd_config_flag_is_read_once_a_second_at_most(ext, monkeypatch):
+    from fadiag import recorder
+
+    reads = []
+    monkeypatch.setattr(recorder, "compiled_autograd_configured", lambda: reads.append(1) or False)
+    s = attach(native="on")
+    t0 = time.monotonic()
+    train(GPT(layers=1), steps=40)
+    elapsed = time.monotonic() - t0
+    assert 1 <= len(reads) <= 2 + elapsed / recorder._CONFIG_EVERY_S  # at attach, then per second
     assert s.flush(10) and s.errors == 0
 
 
