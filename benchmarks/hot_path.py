@@ -3,8 +3,9 @@
 SDPA calls on tiny inputs, forward only and forward + backward, a step every 6 calls, steps closed
 but never resolved (the resolver's share is `overhead.py`'s fadiag vs fadiag_no_report). Three whole-call figures
 (plain; the floor: a Python wrapper with one C++ mark before the op and one C++ `finish` after it;
-fadiag), the Python and C calls fadiag makes per measured call, and each piece of the hot path
-timed alone (best of 5). Native marks are used on every device kind. Usage:
+fadiag), the Python and C calls fadiag makes per measured call, each piece of Python's path
+timed alone (best of 5), and `Recorder.begin` whole as the steady state runs it (the C++ fast
+path where it is built). Native marks are used on every device kind. Usage:
 
     python benchmarks/hot_path.py [--device cuda] [--calls 5000]
 """
@@ -120,7 +121,9 @@ def main() -> None:
     print(f"fadiag per measured call: {py:.0f} Python calls, {c:.0f} C calls")
     print("  " + ", ".join(f"{n:g}x {k}" for n, k in top))
 
-    # Each piece of the steady-state hot path (Recorder.wrap -> begin -> end), timed alone.
+    # Each piece of Python's path (Recorder.wrap -> begin -> end), timed alone. Since design
+    # change 10 the steady state runs begin's pieces in one C++ call (timed whole below); Python's
+    # path serves a signature's first calls, new phases and whatever the C++ path hands back.
     rec = session.recorder
     op = next(o for o in OPS if o.name == "sdpa")
     timer = rec.devices.timer(kind)
@@ -173,8 +176,20 @@ def main() -> None:
         rec._site_counts.clear()
         total += ns
         print(f"  {label:32s} {ns:8.0f}")
-    fadiag.detach()
     print(f"  {'sum of pieces':32s} {total:8.0f}")
+
+    # The steady state as it runs since design change 10: begin() in one C++ call, where built.
+    def begin_and_release():
+        call = rec.begin(op, qkv_args, {})
+        rec.calls.pop()
+        timer.release(call.fwd0)
+
+    n = 20000
+    ns = min(timeit.repeat(begin_and_release, number=n, repeat=5)) / n * 1e9
+    rec._site_counts.clear()
+    how = "the C++ fast path" if rec._fast is not None else "Python's path (no fast path here)"
+    print(f"Recorder.begin, whole, as the steady state runs it ({how}): {ns:.0f} ns")
+    fadiag.detach()
 
 
 if __name__ == "__main__":

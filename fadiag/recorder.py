@@ -284,7 +284,6 @@ class Recorder:
             # skip=2: from begin's frame past the wrapper's to its caller's, as _site does.
             self._fast = timers[0].fast_begin(
                 self._internal, self._locations, self._site_counts, Call, 2, self.max_calls,
-                (backends._FLASH, backends._EFFICIENT, backends._MATH, backends._CUDNN),
                 _graph_task_id)
         if self._fast is not None:
             self._fast.remember(args, kwargs, sig)

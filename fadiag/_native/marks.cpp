@@ -472,11 +472,11 @@ class FastBegin {
   // `timer`: the NativeTimer whose marks these are, serving tensors on `device_type`;
   // `internal`, `locations`, `site_counts`: the Recorder's site dicts (code -> is internal,
   // (code, lasti) -> "file:line", "file:line" -> calls this pass); `call_class`: Recorder's Call;
-  // `skip`: frames between this call and the wrapper's caller; `flags`: the four SDPA backend
-  // switches and torch's current graph task id, as Python callables.
+  // `skip`: frames between this call and the wrapper's caller; `graph_task_id`: torch's
+  // `_current_graph_task_id` (-1 outside a backward).
   FastBegin(Marks& marks, py::object timer, const std::string& device_type, py::dict internal,
             py::dict locations, py::dict site_counts, py::object call_class, int64_t skip,
-            int64_t max_calls, py::tuple flags, py::object graph_task_id)
+            int64_t max_calls, py::object graph_task_id)
       : pool_(marks.pool()),
         timer_(std::move(timer)),
         device_type_(c10::Device(device_type).type()),
@@ -486,9 +486,10 @@ class FastBegin {
         call_class_(std::move(call_class)),
         skip_(skip),
         max_calls_(max_calls),
-        flags_(std::move(flags)),
         graph_task_id_(std::move(graph_task_id)),
-        seen_name_(py::str("backward_starts_seen")) {}
+        seen_name_("backward_starts_seen"),
+        sig_name_("sig"),
+        fwd0_name_("fwd0") {}
 
   // The call's record (already in `calls`, its forward start mark taken), or None.
   py::object begin(py::tuple args, py::dict kwargs, py::list calls, bool backward_seen) {
@@ -514,11 +515,11 @@ class FastBegin {
         PyUnicode_FromFormat("%U#%lld", loc.ptr(), static_cast<long long>(n)));
     py::object call = call_class_(site, timer_, false, py::none(), py::none(),
                                   py::make_tuple(args[0], args[1], args[2]));
-    call.attr("sig") = found->second;
+    call.attr(sig_name_) = found->second;
     calls.append(call);
     const int64_t slot = pool_->take();
     pool_->mark(slot, 0, false);
-    call.attr("fwd0") = py::int_(slot);
+    call.attr(fwd0_name_) = py::int_(slot);
     return call;
   }
 
@@ -569,11 +570,12 @@ class FastBegin {
     out.push_back(q.requires_grad());
     out.push_back(k.requires_grad());
     out.push_back(v.requires_grad());
-    for (const auto& f : flags_) {
-      const int truth = PyObject_IsTrue(f().ptr());
-      if (truth < 0) throw py::error_already_set();
-      out.push_back(truth);
-    }
+    // The global SDPA backend switches (torch.backends.cuda.enable_*_sdp, sdpa_kernel).
+    const auto& ctx = at::globalContext();
+    out.push_back(ctx.userEnabledFlashSDP());
+    out.push_back(ctx.userEnabledMemEfficientSDP());
+    out.push_back(ctx.userEnabledMathSDP());
+    out.push_back(ctx.userEnabledCuDNNSDP());
     PyObject* dropout = arg(4, "dropout_p");
     double p = 0.0;
     if (dropout != nullptr) {
@@ -651,9 +653,8 @@ class FastBegin {
   py::object call_class_;
   int64_t skip_;
   int64_t max_calls_;
-  py::tuple flags_;
   py::object graph_task_id_;
-  py::str seen_name_;
+  py::str seen_name_, sig_name_, fwd0_name_;
   std::unordered_map<FastKey, py::object, FastKeyHash> sigs_;
 };
 #endif
@@ -695,7 +696,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   pybind11::class_<FastBegin>(m, "FastBegin")
       .def(pybind11::init<Marks&, pybind11::object, const std::string&, pybind11::dict,
                           pybind11::dict, pybind11::dict, pybind11::object, int64_t, int64_t,
-                          pybind11::tuple, pybind11::object>())
+                          pybind11::object>())
       .def("begin", &FastBegin::begin)
       .def("remember", &FastBegin::remember)
       .def("size", &FastBegin::size);
