@@ -613,3 +613,29 @@ def test_nested_inputs_with_native_marks_never_raise(ext):
         fadiag.step()
     assert s.flush(10) and s.errors == 0
     assert [len(r.calls) for r in s.history()] == [1, 1, 1] and a.grad is not None
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the fast path needs Python 3.11's frame API")
+def test_tensor_subclasses_stay_on_pythons_path(ext):
+    """A Tensor subclass may answer .shape or .device its own way: the C++ path leaves it alone."""
+
+    class Tagged(torch.Tensor):
+        pass
+
+    s = attach(native="on")
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    tq = q.detach().as_subclass(Tagged).requires_grad_()
+
+    def step():  # both forwards, then one backward: no backward between the two calls
+        (F.scaled_dot_product_attention(q, q, q).sum()
+         + F.scaled_dot_product_attention(tq, tq, tq).sum()).backward()
+        fadiag.step()
+
+    for _ in range(3):
+        step()
+    sites = []
+    site = s.recorder._site
+    s.recorder._site = lambda recompute: sites.append(1) or site(recompute)
+    step()
+    assert len(sites) == 1  # the plain call took the C++ path; the subclass call Python's
+    assert s.flush(10) and s.errors == 0 and all(len(r.calls) == 2 for r in s.history())

@@ -532,9 +532,10 @@ class FastBegin {
   int64_t size() const { return static_cast<int64_t>(sigs_.size()); }
 
  private:
-  // A plain (strided, not nested) tensor: its sizes are plain integers.
+  // A plain tensor: torch.Tensor or Parameter itself (a subclass may answer .shape its own way),
+  // strided and not nested (its sizes are plain integers).
   static bool tensor(PyObject* o, at::Tensor& out) {
-    if (!THPVariable_Check(o)) return false;
+    if (!THPVariable_CheckExact(o)) return false;
     out = THPVariable_Unpack(o);
     return !out.is_nested() && out.layout() == at::kStrided;
   }
