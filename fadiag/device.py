@@ -173,8 +173,9 @@ class NativeTimer:
     def fast_begin(self, *state: Any) -> Any:
         """The C++ start of a steady-state SDPA call on this timer's device (see `FastBegin` in
         marks.cpp for `state`), or None where the build has none."""
-        return None if self._fast_begin is None else self._fast_begin(self._marks, self, self.kind,
-                                                                       *state)
+        if self._fast_begin is None:
+            return None
+        return self._fast_begin(self._marks, self, self.kind, *state)
 
     def seconds(self, marks: list[tuple[Any, Any, Any, Any]],
                 give_up_open_backward: bool) -> list[tuple[float, float]] | None:

@@ -32,10 +32,10 @@ from .ops import AttentionOp, CallInfo, mask_key, quick_sdpa
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 _USER_FILES = (os.path.join("fadiag", "demo.py"),)
-# dynamo's compiled_autograd config flag is read at a step boundary at most this often: the read
-# costs ~18 us inside a training step, and the flag is set before training in practice.
-_CONFIG_EVERY_S = 1.0
 """fadiag's own files that are user code (the demo's model), so their call sites are named."""
+_CONFIG_EVERY_S = 1.0
+"""How often, at most, a step boundary reads dynamo's compiled_autograd config flag: the read
+costs ~18 us inside a training step, and the flag is set before training in practice."""
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
 _get_edge = torch.autograd.graph.get_gradient_edge
