@@ -639,3 +639,16 @@ def test_tensor_subclasses_stay_on_pythons_path(ext):
     step()
     assert len(sites) == 1  # the plain call took the C++ path; the subclass call Python's
     assert s.flush(10) and s.errors == 0 and all(len(r.calls) == 2 for r in s.history())
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the fast path needs Python 3.11's frame API")
+def test_the_per_step_cap_holds_on_the_fast_path(ext):
+    """Past steps.max_calls_per_step the C++ path hands calls back, and Python counts them."""
+    s = attach(native="on", **{"steps.max_calls_per_step": 2})
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    for _ in range(5):
+        sum(F.scaled_dot_product_attention(q, q, q).sum() for _ in range(4)).backward()
+        fadiag.step()
+    assert s.flush(10) and s.errors == 0
+    assert s.recorder._fast is not None
+    assert [len(r.calls) for r in s.history()] == [2] * 5 and s.recorder.over_cap == 2 * 5
