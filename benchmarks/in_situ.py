@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import overhead  # noqa: E402
-from overhead import GPT, MODELS, variant  # noqa: E402
+from overhead import GPT, build, variant  # noqa: E402
 
 import fadiag  # noqa: E402
 from fadiag import native  # noqa: E402
@@ -46,10 +46,7 @@ def phased_step(device: str):
     """overhead.py's launch-bound step (a smaller one on CPU), with host clock reads between phases."""
     torch.manual_seed(0)
     if device == "cuda":
-        m = MODELS["launch_bound"]
-        model = GPT(m["layers"], m["d"], m["h"]).cuda().to(torch.bfloat16)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
-        tokens = torch.randint(0, 32000, (m["B"], m["T"]), device="cuda")
+        model, opt, tokens = build("launch_bound")
     else:
         model = GPT(6, 64, 4, vocab=512)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)

@@ -68,11 +68,17 @@ MODELS = {
 }
 
 
-def make(name: str):
+def build(name: str):
+    """The model of `name` on the GPU in bf16, its fused AdamW and a batch of tokens."""
     m = MODELS[name]
     model = GPT(m["layers"], m["d"], m["h"]).cuda().to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     tokens = torch.randint(0, 32000, (m["B"], m["T"]), device="cuda")
+    return model, opt, tokens
+
+
+def make(name: str):
+    model, opt, tokens = build(name)
 
     def step():
         logits = model(tokens)

@@ -137,6 +137,13 @@ class Pool {
     return next_++;
   }
 
+  // A free slot, marked now.
+  int64_t take_marked() {
+    const int64_t s = take();
+    mark(s, 0, false);
+    return s;
+  }
+
   void give_back(int64_t slot) {
     if (at(slot) == nullptr) return;
     release(slot);
@@ -350,11 +357,7 @@ class Marks {
   void release(int64_t slot) { pool_->release(slot); }
 
   // A slot taken from the pool and marked now: one call per mark from Python.
-  int64_t take() {
-    const int64_t s = pool_->take();
-    pool_->mark(s, 0, false);
-    return s;
-  }
+  int64_t take() { return pool_->take_marked(); }
   void give_back(std::optional<int64_t> slot) {
     if (slot) pool_->give_back(*slot);
   }
@@ -443,12 +446,11 @@ class Marks {
   bool window() const { return pool_->window(); }
   bool wait_window(double timeout_s) { return pool_->wait_window(timeout_s); }
 
- std::shared_ptr<Pool> pool() const { return pool_; }
+  std::shared_ptr<Pool> pool() const { return pool_; }
 
  private:
   std::shared_ptr<Pool> pool_;
 };
-
 
 #if PY_VERSION_HEX >= 0x030B0000  // PyFrame_GetLasti
 namespace py = pybind11;
@@ -517,9 +519,7 @@ class FastBegin {
                                   py::make_tuple(args[0], args[1], args[2]));
     call.attr(sig_name_) = found->second;
     calls.append(call);
-    const int64_t slot = pool_->take();
-    pool_->mark(slot, 0, false);
-    call.attr(fwd0_name_) = py::int_(slot);
+    call.attr(fwd0_name_) = py::int_(pool_->take_marked());
     return call;
   }
 
