@@ -311,7 +311,10 @@ def main() -> None:
     p.add_argument("--models", default="gpu_bound,launch_bound")
     p.add_argument("--pairs", type=int, default=20)
     p.add_argument("--launch-steps", type=int, default=30, help="steps per launch-bound block")
-    p.add_argument("--gpu-steps", type=int, default=5,
+    # The noise of the GPU-bound ratio is mostly per block, not per step (each block starts with
+    # the device idle and ends in a synchronise): plain vs plain had an IQR of 1.3 points with
+    # 5-step blocks and 0.3 with 20-step blocks on the H200 (BENCHMARKS.md, runs 14 and 16).
+    p.add_argument("--gpu-steps", type=int, default=20,
                    help="steps per GPU-bound block (each block ends in a device synchronise)")
     p.add_argument("--memory-steps", type=int, default=0,
                    help="also measure host RSS and device memory over this many steps (e.g. 10000)")
