@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from types import FrameType
 from typing import Any
 
 import torch
@@ -96,7 +97,7 @@ def compiled_autograd_configured() -> bool:
 
 def in_reentrant_checkpoint(limit: int = 64) -> bool:
     """True inside torch.utils.checkpoint's reentrant forward (which runs under no_grad)."""
-    frame = sys._getframe(2)
+    frame: FrameType | None = sys._getframe(2)
     for _ in range(limit):
         if frame is None:
             return False

@@ -29,6 +29,7 @@ from .graph import (
 )
 from .memory import standard_bytes
 from .ops import AttentionOp, CallInfo, mask_key, quick_sdpa
+from .records import Shape
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
 _USER_FILES = (os.path.join("fadiag", "demo.py"),)
@@ -39,7 +40,7 @@ costs ~18 us inside a training step, and the flag is set before training in prac
 _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
 _get_edge = torch.autograd.graph.get_gradient_edge
-_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled
+_hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
 
 
 def _is_compiling() -> bool:
@@ -61,14 +62,14 @@ class Signature:
         q = info.q
         self.op = op
         self.impl = impl
-        self.shape = tuple(int(x) for x in info.shape)
+        b, h, sq, sk, d = (int(x) for x in info.shape)
+        self.shape: Shape = (b, h, sq, sk, d)
         self.dtype = str(q.dtype).replace("torch.", "")
         self.causal = info.causal
         self.dropout = info.dropout
         self.kv_heads = int(info.kv_heads)
         self.layout = info.layout
         self.device = device
-        b, h, sq, sk, d = self.shape
         self.standard_bytes = standard_bytes(b, h, sq, sk, d, q.element_size(), info.dropout,
                                              int(info.head_dim_v))
         self.kept_bytes: int | None = None
@@ -390,7 +391,7 @@ class Recorder:
             call.remaining = 1
             fused.register_hook(on_backward_end)
             return
-        ends = []
+        ends: list[Any] = []
         for t in qkv:
             if t.requires_grad:
                 n = _get_edge(t).node

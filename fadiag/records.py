@@ -13,8 +13,23 @@ Shape = tuple[int, int, int, int, int]
 """(B, H, Sq, Sk, D): batch, query heads, query length, key length, head dim."""
 
 
+class Figures:
+    """The two derived figures of anything with forward/backward seconds and kept/standard bytes
+    (a call, a site, a step, a site over a run): the same definition everywhere (DESIGN.md)."""
+
+    __slots__ = ()
+
+    @property
+    def ratio(self) -> float | None:
+        return ratio(self.backward_seconds, self.forward_seconds)  # type: ignore[attr-defined]
+
+    @property
+    def memory_savings(self) -> float | None:
+        return savings(self.kept_bytes, self.standard_bytes)  # type: ignore[attr-defined]
+
+
 @dataclass(slots=True)
-class CallRecord:
+class CallRecord(Figures):
     """One attention call, measured.
 
     Times are device seconds (CUDA/NPU events, or the host clock on CPU); bytes are device bytes.
@@ -38,14 +53,6 @@ class CallRecord:
     recompute: bool = False
     interceptor: str = "sdpa"
     fallback_reason: str | None = None
-
-    @property
-    def memory_savings(self) -> float | None:
-        return savings(self.kept_bytes, self.standard_bytes)
-
-    @property
-    def ratio(self) -> float | None:
-        return ratio(self.backward_seconds, self.forward_seconds)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -91,7 +98,7 @@ class Flag:
 
 
 @dataclass(slots=True)
-class SiteSummary:
+class SiteSummary(Figures):
     """One call site's totals within a step."""
 
     site: str
@@ -104,17 +111,9 @@ class SiteSummary:
     kept_bytes: int | None
     standard_bytes: int
 
-    @property
-    def ratio(self) -> float | None:
-        return ratio(self.backward_seconds, self.forward_seconds)
-
-    @property
-    def memory_savings(self) -> float | None:
-        return savings(self.kept_bytes, self.standard_bytes)
-
 
 @dataclass
-class StepReport:
+class StepReport(Figures):
     """Everything fadiag knows about one training step, once the device has finished it.
 
     Example::
@@ -136,14 +135,6 @@ class StepReport:
     rank: int = 0
     wall_time: float = 0.0
     recompute_seconds: float = 0.0
-
-    @property
-    def ratio(self) -> float | None:
-        return ratio(self.backward_seconds, self.forward_seconds)
-
-    @property
-    def memory_savings(self) -> float | None:
-        return savings(self.kept_bytes, self.standard_bytes)
 
     @property
     def attention_seconds(self) -> float:

@@ -18,13 +18,13 @@ from typing import Any
 
 from .config import MemoryRuleConfig, RatioRuleConfig
 from .jsonl import Run
-from .records import Flag, StepReport, ratio, savings
+from .records import Figures, Flag, StepReport
 
 RULES = ("backward_forward_ratio", "memory_savings", "regression", "hang")
 
 
 @dataclass
-class SiteRow:
+class SiteRow(Figures):
     """One call site over the whole run."""
 
     site: str
@@ -38,14 +38,6 @@ class SiteRow:
     kept_bytes: int | None = 0
     standard_bytes: int = 0
     flags: int = 0
-
-    @property
-    def ratio(self) -> float | None:
-        return ratio(self.backward_seconds, self.forward_seconds)
-
-    @property
-    def memory_savings(self) -> float | None:
-        return savings(self.kept_bytes, self.standard_bytes)
 
 
 @dataclass

@@ -127,7 +127,7 @@ class NpuFusionAttention(torch.autograd.Function):
         return o, smax, ssum
 
     @staticmethod
-    def backward(ctx: Any, do: torch.Tensor, *_: Any) -> tuple[Any, ...]:
+    def backward(ctx: Any, do: torch.Tensor, *_unused: Any) -> tuple[Any, ...]:
         q, k, v, _o, _smax, _ssum = ctx.saved_tensors
         with torch.enable_grad():
             qq, kk, vv = (t.detach().requires_grad_() for t in (q, k, v))

@@ -43,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fadiag baseline: {e}", file=sys.stderr)
         return 1
     print(f"device: {b.device}   steps: {b.steps}")
-    for key, e in sorted(b.entries.items()):
-        fwd, bwd = e["forward_seconds"], e["backward_seconds"]
+    for key, entry in sorted(b.entries.items()):
+        fwd, bwd = entry["forward_seconds"], entry["backward_seconds"]
         print(f"{key}  fwd {fwd * 1e3:.3f} ms  bwd {bwd * 1e3:.3f} ms  ratio {bwd / fwd if fwd else 0:.2f}")
     return 0
