@@ -290,8 +290,11 @@ class Config:
         fadiag.attach(cfg)
     """
 
-    _checks: ClassVar[dict[str, Check]] = {"device": _one_of("auto", "cpu", "cuda", "npu"),
-                                           "native": _one_of("auto", "on", "off")}
+    _checks: ClassVar[dict[str, Check]] = {
+        "device": _one_of("auto", "cpu", "cuda", "npu"),
+        # YAML 1.1 reads a bare `native: off` as false: a boolean means on/off.
+        "native": Check("one of auto|on|off", lambda v: isinstance(v, bool) or v in ("auto", "on", "off")),
+    }
 
     enabled: bool = True
     """False: attach() returns a session that patches nothing."""
@@ -300,7 +303,8 @@ class Config:
     native: str = "auto"
     """Timing marks in C++ (fadiag/native.py). auto: on CUDA, built or loaded in the background
     and used from then on (Python marks until then, and wherever no C++ compiler is present);
-    on: also on CPU, built at first use, waiting for it; off: Python marks only. NPU: Python."""
+    on: also on CPU, built at first use, waiting for it; off: Python marks only. NPU: Python.
+    true and false (what YAML makes of a bare on and off) mean on and off."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     interceptors: InterceptorsConfig = field(default_factory=InterceptorsConfig)
     steps: StepsConfig = field(default_factory=StepsConfig)
@@ -310,6 +314,8 @@ class Config:
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
+        if isinstance(self.native, bool):
+            object.__setattr__(self, "native", "on" if self.native else "off")
         _validate(self)
 
     def to_dict(self) -> dict[str, Any]:

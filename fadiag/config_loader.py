@@ -26,7 +26,7 @@ from .config import (
     _problems,
     _schema,
 )
-from .errors import ConfigError
+from .errors import BaselineError, ConfigError
 
 # --- loading ----------------------------------------------------------------------------------
 
@@ -130,9 +130,9 @@ def _layers(source: object, overrides: object, environ: Mapping[str, str]) -> li
     layers = []
     if source is None:
         if environ.get("FADIAG_CONFIG"):
-            layers.append(_read_yaml(environ["FADIAG_CONFIG"], " (named by FADIAG_CONFIG)"))
+            layers += _read_yaml(environ["FADIAG_CONFIG"], " (named by FADIAG_CONFIG)")
     elif isinstance(source, (str, os.PathLike)):
-        layers.append(_read_yaml(source))
+        layers += _read_yaml(source)
     elif isinstance(source, (Mapping, Config)):
         layers.append(_Layer(source))
     else:
@@ -160,11 +160,12 @@ def _override(key: object, value: object) -> object:
     return value
 
 
-def _read_yaml(path: str | os.PathLike[str], note: str = "") -> _Layer:
+def _read_yaml(path: str | os.PathLike[str], note: str = "") -> list[_Layer]:
+    """The file's document as a layer, followed by a layer for each key given twice in it."""
     source = os.fsdecode(path)
 
-    def failed(reason: str, line: int | None = None) -> _Layer:
-        return _Layer(ConfigIssue("", reason, reason, source, line))
+    def failed(reason: str, line: int | None = None) -> list[_Layer]:
+        return [_Layer(ConfigIssue("", reason, reason, source, line))]
 
     try:
         text = Path(source).read_text(encoding="utf-8")
@@ -195,20 +196,31 @@ def _read_yaml(path: str | os.PathLike[str], note: str = "") -> _Layer:
     finally:
         loader.dispose()
     lines: dict[str, int] = {}
+    twice: list[ConfigIssue] = []
     if node is not None:
         lines[""] = node.start_mark.line + 1
-        _key_lines(node, "", lines)
-    return _Layer(data, source, lines)
+        _key_lines(node, "", lines, twice, source)
+    return [_Layer(data, source, lines)] + [_Layer(issue) for issue in twice]
 
 
-def _key_lines(node: yaml.Node, prefix: str, lines: dict[str, int], depth: int = 0) -> None:
+def _key_lines(
+    node: yaml.Node, prefix: str, lines: dict[str, int], twice: list[ConfigIssue], source: str,
+    depth: int = 0,
+) -> None:
+    """Each key's line, and an issue for each key given twice in one mapping: YAML would keep
+    the last silently, and which of two values was meant is the user's to say."""
     # Deeper than the schema nothing needs a line: unknown keys are reported where they start.
     if not isinstance(node, yaml.MappingNode) or depth > 3:
         return
+    seen: dict[str, int] = {}
     for key, value in node.value:
         if isinstance(key, yaml.ScalarNode):
-            lines[prefix + key.value] = key.start_mark.line + 1
-            _key_lines(value, f"{prefix}{key.value}.", lines, depth + 1)
+            dotted, line = prefix + key.value, key.start_mark.line + 1
+            if key.value in seen:
+                reason = f"is given twice (lines {seen[key.value]} and {line}); keep one"
+                twice.append(ConfigIssue(dotted, f"{dotted} {reason}", reason, source, line))
+            seen[key.value] = lines[dotted] = line
+            _key_lines(value, f"{dotted}.", lines, twice, source, depth + 1)
 
 
 def _resolve(layers: list[_Layer]) -> tuple[Config | None, list[ConfigIssue]]:
@@ -222,8 +234,35 @@ def _resolve(layers: list[_Layer]) -> tuple[Config | None, list[ConfigIssue]]:
         else:
             _merge(Config, layer.data, merged, origins, layer, issues)
     _check(Config, merged, origins, issues)
+    config = None if issues else _build(Config, merged)
+    if config is not None:
+        issues += _file_issues(config, origins)
     issues.sort(key=lambda issue: issue.line or 0)  # stable: a file's issues in line order
-    return (None, issues) if issues else (_build(Config, merged), [])
+    return (None, issues) if issues else (config, [])
+
+
+def _file_issues(
+    config: Config, origins: Mapping[str, tuple[str | None, int | None]]
+) -> list[ConfigIssue]:
+    """The files a configuration names, checked as the session will read them: a missing
+    baseline or TLS file is a configuration error at load time, not a session lost later."""
+    from . import baseline  # the only module here that reads a file the user names
+
+    found: list[tuple[str, str]] = []
+    path = config.rules.regression.baseline_file
+    if path:
+        try:
+            baseline.load(path)
+        except BaselineError as e:
+            found.append(("rules.regression.baseline_file",
+                          f"must name a baseline written by `fadiag baseline save`: {e}"))
+    for key in ("certfile", "keyfile"):
+        path = getattr(config.exporter, key)
+        if path and not (os.path.isfile(path) and os.access(path, os.R_OK)):
+            why = "not a file" if os.path.exists(path) else "no such file"
+            found.append((f"exporter.{key}", f"must name a readable file, got {path!r} ({why})"))
+    return [ConfigIssue(key, f"{key} {reason}", reason, *origins.get(key, (None, None)))
+            for key, reason in found]
 
 
 def _merge(

@@ -330,11 +330,61 @@ def test_tls_certfile_and_keyfile_must_come_together(have, lack):
         load_config({"exporter": {have: "/etc/tls/x.pem"}}, environ=NO_ENV)
 
 
-def test_tls_pair_may_come_from_two_layers():
+def test_tls_pair_may_come_from_two_layers(tmp_path):
+    cert, key = write(tmp_path, "", "c.pem"), write(tmp_path, "", "k.pem")
     cfg = load_config(
-        {"exporter": {"certfile": "c.pem"}}, {"exporter.keyfile": "k.pem"}, environ=NO_ENV
+        {"exporter": {"certfile": str(cert)}}, {"exporter.keyfile": str(key)}, environ=NO_ENV
     )
-    assert (cfg.exporter.certfile, cfg.exporter.keyfile) == ("c.pem", "k.pem")
+    assert (cfg.exporter.certfile, cfg.exporter.keyfile) == (str(cert), str(key))
+
+
+@pytest.mark.parametrize("key", ["certfile", "keyfile"])
+def test_a_missing_tls_file_is_rejected_naming_its_key(tmp_path, key):
+    files = {"certfile": str(write(tmp_path, "", "c.pem")), "keyfile": str(write(tmp_path, "", "k.pem"))}
+    files[key] = str(tmp_path / "gone.pem")
+    with pytest.raises(ConfigError) as info:
+        load_config({"exporter": files}, environ=NO_ENV)
+    assert str(info.value) == (
+        f"exporter.{key} must name a readable file, got {files[key]!r} (no such file)"
+    )
+
+
+def test_a_directory_as_tls_file_is_rejected(tmp_path):
+    cert = str(write(tmp_path, "", "c.pem"))
+    issues = config_issues({"exporter": {"certfile": cert, "keyfile": str(tmp_path)}}, environ=NO_ENV)
+    assert [(i.key, i.reason) for i in issues] == [
+        ("exporter.keyfile", f"must name a readable file, got {str(tmp_path)!r} (not a file)")
+    ]
+
+
+def test_a_missing_baseline_file_is_rejected_naming_its_key_and_line(tmp_path):
+    path = write(tmp_path, "rules:\n  regression:\n    baseline_file: /nonexistent/b.json\n")
+    (issue,) = config_issues(path, environ=NO_ENV)
+    assert (issue.key, issue.line) == ("rules.regression.baseline_file", 3)
+    assert issue.reason.startswith("must name a baseline written by `fadiag baseline save`: ")
+    assert "/nonexistent/b.json" in issue.reason
+
+
+@pytest.mark.parametrize("content", ["not json", '{"version": 99}'])
+def test_a_broken_baseline_file_is_rejected_at_load(tmp_path, content):
+    baseline = write(tmp_path, content, "b.json")
+    with pytest.raises(ConfigError, match=r"^rules\.regression\.baseline_file must name a baseline"):
+        load_config({"rules": {"regression": {"baseline_file": str(baseline)}}}, environ=NO_ENV)
+
+
+@pytest.mark.parametrize(("text", "native"), [("native: off", "off"), ("native: on", "on"),
+                                              ("native: 'off'", "off"), ("native: auto", "auto")])
+def test_native_reads_a_bare_yaml_on_and_off(tmp_path, text, native):
+    # YAML 1.1 reads a bare on/off as a boolean; the README writes `native: off`.
+    assert load_config(write(tmp_path, text + "\n"), environ=NO_ENV).native == native
+
+
+def test_a_key_given_twice_is_rejected_with_both_lines(tmp_path):
+    path = write(tmp_path, "exporter:\n  port: 1\n  port: 2\nrules: {}\nrules: {}\n")
+    assert [str(i) for i in config_issues(path, environ=NO_ENV)] == [
+        f"{path}:3: exporter.port: is given twice (lines 2 and 3); keep one",
+        f"{path}:5: rules: is given twice (lines 4 and 5); keep one",
+    ]
 
 
 def test_a_bad_value_replaced_by_an_override_is_not_an_error():
@@ -540,9 +590,10 @@ def test_config_error_is_a_value_error():
 # --- serialisation ----------------------------------------------------------------------------
 
 
-def test_to_dict_round_trips_through_yaml():
+def test_to_dict_round_trips_through_yaml(tmp_path):
+    cert, key = str(write(tmp_path, "", "c")), str(write(tmp_path, "", "k"))
     cfg = load_config(
-        {"exporter": {"port": 0, "certfile": "c", "keyfile": "k"}, "jsonl": {"path": "/x"}},
+        {"exporter": {"port": 0, "certfile": cert, "keyfile": key}, "jsonl": {"path": "/x"}},
         environ=NO_ENV,
     )
     assert load_config(yaml.safe_load(yaml.safe_dump(cfg.to_dict())), environ=NO_ENV) == cfg

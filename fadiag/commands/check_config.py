@@ -99,9 +99,12 @@ An override key is a dotted key (`"exporter.port": 0`), the same with double und
 
 Values are checked when the configuration is loaded, and again when a `Config` is built directly.
 An integer key takes an integer (not `true`), a number key takes an integer or a float,
-a boolean key takes only `true` or `false` (not `1`, not `"yes"`).
-A section left empty (`exporter:`) keeps its defaults; any other non-mapping is an error.
-Unknown keys are errors and the nearest valid key is suggested:
+a boolean key takes only `true` or `false` (not `1`, not `"yes"`; YAML 1.1 itself reads a bare
+`yes`, `no`, `on` and `off` as booleans). A section left empty (`exporter:`) keeps its defaults;
+any other non-mapping is an error. A key given twice in one mapping is an error (YAML would keep
+the last silently). Unknown keys are errors and the nearest valid key is suggested. The files a
+configuration names are read as the session will read them: `rules.regression.baseline_file`
+must load as a baseline, `exporter.certfile` and `exporter.keyfile` must be readable files.
 
 ```text
 unknown key exporter.prot; did you mean exporter.port?
