@@ -9,6 +9,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -27,6 +29,11 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"fadiag.commands.{name}").add_parser(sub)
+    for command in sub.choices.values():  # `fadiag report RUN -v` as well as `fadiag -v report RUN`
+        if command.prog != "fadiag run":  # after `run`, everything belongs to CMD
+            # SUPPRESS: a subcommand's default must not overwrite a -v given before it.
+            command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                                 help="log at DEBUG level")
     return parser
 
 
@@ -37,7 +44,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
-    return int(args.func(args) or 0)
+    try:
+        return int(args.func(args) or 0)
+    except BrokenPipeError:
+        # The reader went away (`fadiag report RUN | head`): stop quietly, as a killed pipe
+        # writer would, and keep Python from complaining again when it flushes stdout at exit.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
 
 
 if __name__ == "__main__":

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import fadiag
 from fadiag import baseline
 from fadiag.cli import main
@@ -38,3 +40,18 @@ def test_session_can_save_its_own_baseline(tmp_path):
     s.flush(10)
     s.save_baseline(tmp_path / "b.json", skip=1)
     assert baseline.load(tmp_path / "b.json").steps == 3
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["save", "{tmp}/nope.jsonl", "-o", "{tmp}/b.json"], "argument run: no such file: {tmp}/nope.jsonl"),
+    (["save", "{tmp}", "-o", "{tmp}/b.json"], "argument run: {tmp} is a directory; expected a file"),
+    (["save", "{tmp}/run.jsonl", "-o", "{tmp}/no/b.json"], "argument -o/--output: no such directory: {tmp}/no"),
+    (["save", "{tmp}/run.jsonl", "-o", "{tmp}"], "argument -o/--output: {tmp} is a directory; expected a file name"),
+    (["show", "{tmp}/nope.json"], "argument file: no such file: {tmp}/nope.json"),
+])
+def test_bad_baseline_paths_exit_2_naming_the_argument(tmp_path, capsys, argv, message):
+    (tmp_path / "run.jsonl").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        main(["baseline", *(a.format(tmp=tmp_path) for a in argv)])
+    assert exc.value.code == 2
+    assert message.format(tmp=tmp_path) in capsys.readouterr().err

@@ -163,6 +163,7 @@ def test_attention_flops_are_four_bhssd_halved_when_causal(causal, factor):
     (["--warmup", "-1"], "--warmup"),
     (["--dtype", "float8_e4m3fn"], "--dtype"),
     (["--memory-fraction", "2"], "--memory-fraction"),
+    (["--out", __file__], "--out"),  # a file: checked before the benchmark runs, not after
 ])
 def test_bad_arguments_exit_2_naming_the_argument(capsys, argv, argument):
     try:

@@ -142,6 +142,28 @@ def test_bad_demo_arguments_exit_2_naming_the_argument(
     assert f"argument {named}" in capsys.readouterr().err
 
 
+def test_a_bad_FADIAG_CONFIG_is_refused_before_training(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("exporter:\n  port: -1\n")
+    monkeypatch.setenv("FADIAG_CONFIG", str(cfg))
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--steps", "1"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert f"{cfg}:2: exporter.port must be an integer 0..65535, got -1" in err
+    assert "Traceback" not in err
+
+
+def test_a_jsonl_dir_that_cannot_be_made_is_refused_before_training(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        main(["demo", "--jsonl", str(tmp_path / "afile" / "runs")])
+    assert exc.value.code == 2
+    assert "argument --jsonl: cannot create directory" in capsys.readouterr().err
+
+
 def test_a_device_this_machine_lacks_is_refused_by_name(capsys: pytest.CaptureFixture[str]) -> None:
     import torch
 

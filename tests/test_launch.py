@@ -168,6 +168,28 @@ def test_a_config_with_a_bad_value_is_refused_before_launch(
     assert "argument --config" in err and "exporter.port" in err
 
 
+def test_a_bad_FADIAG_CONFIG_is_refused_before_launch(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    cfg = tmp_path / "bad.yaml"
+    cfg.write_text("rules:\n  regression:\n    baseline_file: /nonexistent/b.json\n")
+    monkeypatch.setenv("FADIAG_CONFIG", str(cfg))
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--", "true"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "the configuration named by FADIAG_CONFIG" in err
+    assert f"{cfg}:3: rules.regression.baseline_file must name a baseline" in err
+
+
+def test_a_jsonl_dir_that_cannot_be_made_is_refused_before_launch(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(SystemExit) as exc:
+        main(["run", "--jsonl", str(tmp_path / "afile"), "--", "true"])
+    assert exc.value.code == 2
+    assert f"argument --jsonl: {tmp_path / 'afile'} exists and is not a directory" in capsys.readouterr().err
+
+
 def test_a_command_that_does_not_exist_exits_127(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["run", "--", "fadiag-no-such-command"]) == 127
     assert "cannot start fadiag-no-such-command" in capsys.readouterr().err

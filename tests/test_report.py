@@ -117,6 +117,7 @@ def test_report_of_a_log_without_steps_exits_1(tmp_path: Path) -> None:
 @pytest.mark.parametrize("argv, named", [
     (["report", "/nonexistent/run.jsonl"], "RUN"),
     (["report"], "RUN"),
+    (["report", "README.md", "--out", "README.md"], "--out"),
 ])
 def test_bad_report_arguments_exit_2_naming_the_argument(argv: list[str], named: str) -> None:
     proc = subprocess.run([sys.executable, "-m", "fadiag", *argv], cwd=ROOT, capture_output=True,
@@ -144,3 +145,23 @@ def test_report_plots_a_real_demo_run(tmp_path: Path) -> None:
     for name in PNGS:
         assert (out / f"{name}.png").stat().st_size > 1000
     assert (out / "report.html").read_text().count("data:image/png;base64,") == 5
+
+
+def test_output_cut_short_by_its_reader_ends_quietly(tmp_path: Path) -> None:
+    # `fadiag report RUN | head`: the reader closes the pipe; no traceback, the status of a
+    # writer killed by SIGPIPE (128 + 13).
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # gone before the first write, whatever the timing
+    try:
+        proc = subprocess.run([sys.executable, "-m", "fadiag", "check-config", "--reference"],
+                              cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              timeout=60, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (141, "")
+
+
+def test_verbose_may_follow_the_subcommand(tmp_path: Path) -> None:
+    log = tmp_path / "fadiag-rank0.jsonl"
+    JsonlSink(tmp_path, rank=0, meta={}).close()
+    assert main(["report", str(log), "-v"]) == main(["-v", "report", str(log)]) == 1

@@ -17,16 +17,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "dtype, device and impl, for rules.regression.baseline_file.")
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
     save = verbs.add_parser("save", help="build a baseline from a run's JSONL log")
-    save.add_argument("run", help="a fadiag-rank<R>.jsonl file")
-    save.add_argument("-o", "--output", required=True, help="baseline file to write (JSON)")
+    save.add_argument("run", type=_args.existing_file, help="a fadiag-rank<R>.jsonl file")
+    save.add_argument("-o", "--output", type=_args.output_file, required=True,
+                      help="baseline file to write (JSON)")
     save.add_argument("--skip", type=_args.integer(0), default=10,
                       help="warm-up steps to leave out (default 10)")
     save.add_argument("--device", help="device name to key by (default: the run's)")
     show = verbs.add_parser("show", help="print a baseline file")
-    show.add_argument("file")
+    show.add_argument("file", type=_args.existing_file, help="a baseline file")
     p.set_defaults(func=run)
-
-
 
 
 def run(args: argparse.Namespace) -> int:
@@ -39,8 +38,11 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {args.output}: {len(b.entries)} sites from {b.steps} steps on {device}")
             return 0
         b = baseline.load(args.file)
-    except (BaselineError, OSError) as e:
+    except BaselineError as e:
         print(f"fadiag baseline: {e}", file=sys.stderr)
+        return 1
+    except OSError as e:  # the arguments were checked; a read or write can still fail
+        print(f"fadiag baseline: {e.filename}: {e.strerror or e}", file=sys.stderr)
         return 1
     print(f"device: {b.device}   steps: {b.steps}")
     for key, entry in sorted(b.entries.items()):

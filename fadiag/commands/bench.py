@@ -83,18 +83,21 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                         "cpu_flash,math; npu npu_fusion,math (default: all of the device's)")
     p.add_argument("--dtype", choices=("float16", "bfloat16", "float32"), default=None,
                    help="default float16 on GPU/NPU, float32 on CPU")
-    p.add_argument("--batch", type=_args.integer(1), default=1)
-    p.add_argument("--heads", type=_args.integer(1), default=32)
-    p.add_argument("--head-dim", type=_args.integer(1), default=128)
+    p.add_argument("--batch", type=_args.integer(1), default=1, help="batch size (default 1)")
+    p.add_argument("--heads", type=_args.integer(1), default=32, help="heads (default 32)")
+    p.add_argument("--head-dim", type=_args.integer(1), default=128, help="head dimension (default 128)")
     p.add_argument("--causal", action="store_true", help="causal masking (FLOPs halved)")
-    p.add_argument("--iters", type=_args.integer(1), default=20, help="timed iterations (median)")
-    p.add_argument("--warmup", type=_args.integer(0), default=5)
+    p.add_argument("--iters", type=_args.integer(1), default=20,
+                   help="timed iterations, of which the median is shown (default 20)")
+    p.add_argument("--warmup", type=_args.integer(0), default=5,
+                   help="untimed iterations first (default 5)")
     p.add_argument("--mha", action="store_true",
                    help="also time nn.MultiheadAttention need_weights=False vs True (fwd+bwd)")
     p.add_argument("--memory-fraction", type=_fraction, default=0.9,
                    help="skip the math path where its estimated peak exceeds this fraction "
                         "of free memory (default 0.9)")
-    p.add_argument("--out", type=Path, default=None, help="write CSV, JSON and PNG here")
+    p.add_argument("--out", metavar="DIR", type=_args.output_dir, default=None,
+                   help="write bench.csv, bench.json and bench.png into DIR (created if missing)")
     p.set_defaults(func=run)
 
 
@@ -172,7 +175,11 @@ def run(args: argparse.Namespace) -> int:
     if "math" in cfg.backend_list and not report.formula_checks:
         err.print("[yellow]no formula check[/]: the math backend ran at no sequence length")
     if args.out:
-        written = write_outputs(report, args.out)
+        try:
+            written = write_outputs(report, args.out)
+        except OSError as e:  # checked writable at parse time; the disk may still fill up
+            err.print(f"fadiag bench: {e.filename or args.out}: {e.strerror or e}", highlight=False)
+            return 1
         err.print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

@@ -29,8 +29,9 @@ def add_parser(subparsers: Any) -> None:
                        help="use a hand-written attention whose backward does needless work: "
                             "the backward_forward_ratio flag fires")
     p.add_argument("--seq-len", type=_args.integer(1), default=256, help="sequence length (default 256)")
-    p.add_argument("--jsonl", metavar="DIR", default=None,
-                   help="write the run log fadiag-rank0.jsonl into DIR (for fadiag report)")
+    p.add_argument("--jsonl", metavar="DIR", type=_args.output_dir, default=None,
+                   help="write the run log fadiag-rank0.jsonl into DIR, created if missing "
+                        "(for fadiag report)")
     p.set_defaults(func=run, _parser=p)
 
 
@@ -40,7 +41,10 @@ def run(args: argparse.Namespace) -> int:
 
     if not available(args.device):
         args._parser.error(f"argument --device: {args.device} is not available on this machine")
+    problems = _args.config_problems(None)  # the demo attaches with $FADIAG_CONFIG, if set
+    if problems:
+        args._parser.error(f"the configuration named by FADIAG_CONFIG:\n{problems}")
     cfg = DemoConfig(steps=args.steps, port=args.port, device=args.device,
                      force_math=args.force_math, slow_backward=args.slow_backward,
-                     seq_len=args.seq_len, jsonl=args.jsonl)
+                     seq_len=args.seq_len, jsonl=None if args.jsonl is None else str(args.jsonl))
     return run_demo(cfg)

@@ -36,7 +36,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--layers", type=_args.integer(1), required=True, help="attention layers L")
     p.add_argument("--batch", type=_args.integer(1), default=1, help="micro-batch size B (default 1)")
     p.add_argument(
-        "--dtype", choices=tuple(ELEMENT_BYTES), default="float16", help="compute dtype"
+        "--dtype", choices=tuple(ELEMENT_BYTES), default="float16", help="compute dtype (default float16)"
     )
     p.add_argument(
         "--dropout", type=_args.probability, default=0.0, help="attention dropout in [0, 1)"

@@ -33,8 +33,8 @@ def add_parser(subparsers: Any) -> None:
     p.add_argument("--port", type=_args.port, default=None,
                    help="metrics base port: rank r serves on PORT + LOCAL_RANK; 0 picks free ports "
                         "(default: the config's exporter.port, 9464)")
-    p.add_argument("--jsonl", metavar="DIR", default=None,
-                   help="write each rank's run log fadiag-rank<R>.jsonl into DIR")
+    p.add_argument("--jsonl", metavar="DIR", type=_args.output_dir, default=None,
+                   help="write each rank's run log fadiag-rank<R>.jsonl into DIR (created if missing)")
     p.add_argument("cmd", metavar="CMD", nargs=argparse.REMAINDER,
                    help="the command to run, after --")
     p.set_defaults(func=run, _parser=p)
@@ -48,20 +48,11 @@ def run(args: argparse.Namespace) -> int:
         cmd = cmd[1:]
     if not cmd:
         args._parser.error("the following arguments are required: CMD (the command to run, after --)")
-    if args.config is not None:
-        error = _config_error(args.config)
-        if error:
-            args._parser.error(f"argument --config: {error}")
-    return launch(cmd, LaunchOptions(config=args.config, port=args.port, jsonl=args.jsonl))
-
-
-def _config_error(path: str) -> str | None:
-    """Check the config here, where a mistake can still be reported before anything starts."""
-    from .. import load_config
-    from ..errors import ConfigError
-
-    try:
-        load_config(path)
-    except ConfigError as e:
-        return str(e)
-    return None
+    # Checked here, where a mistake can still be reported before anything starts: every attached
+    # process loads the same configuration (--config, else $FADIAG_CONFIG).
+    problems = _args.config_problems(args.config)
+    if problems:
+        where = "argument --config" if args.config else "the configuration named by FADIAG_CONFIG"
+        args._parser.error(f"{where}: {problems}")
+    jsonl = None if args.jsonl is None else str(args.jsonl)
+    return launch(cmd, LaunchOptions(config=args.config, port=args.port, jsonl=jsonl))
