@@ -343,6 +343,8 @@ STEP_MEAN = (
     f"sum by ({BY_RANK}) (rate(fadiag_step_attention_seconds_sum{{{SEL}}}[{RATE}]))\n"
     f"  / sum by ({BY_RANK}) (rate(fadiag_step_attention_seconds_count{{{SEL}}}[{RATE}]))"
 )
+# STEP_MEAN with each rank's run_id (from fadiag_run_info), to compare ranks within a run.
+BY_RUN = f"(\n  {STEP_MEAN}\n) * on({BY_RANK}) group_left(run_id) fadiag_run_info"
 
 
 # --- the overview -----------------------------------------------------------------------------
@@ -414,9 +416,16 @@ def overview() -> dict:
         ),
         timeseries(
             "Backward / forward ratio",
-            "Attention backward seconds over forward seconds in the last resolved step, by rank. "
-            "The dashed line is the 3x rule; fused kernels stay near 2-2.5x.",
-            [target(f"fadiag_attention_backward_forward_ratio{{{SEL}}}", "rank {{rank}}")],
+            "Attention backward seconds over forward seconds of every call measured in the "
+            "interval, by rank (what the ratio alert judges over 5 minutes). The dashed line is "
+            "the 3x rule; fused kernels stay near 2-2.5x.",
+            [
+                target(
+                    f"sum by ({BY_RANK}) (rate(fadiag_attention_backward_seconds_sum{{{SEL}}}[{RATE}]))\n"
+                    f"  / sum by ({BY_RANK}) (rate(fadiag_attention_forward_seconds_sum{{{SEL}}}[{RATE}]))",
+                    "rank {{rank}}",
+                )
+            ],
             unit="suffix:x",
             threshold=(3, True),
             min_=0,
@@ -425,8 +434,9 @@ def overview() -> dict:
             "Step attention time vs baseline",
             "Attention seconds (forward + backward) of the last resolved step at each scrape, by "
             "rank, and the regression baseline fadiag holds for it (dashed: rolling median or "
-            "baseline file). The regression alert fires when their 5-minute median stays 20% "
-            "over the baseline.",
+            "baseline file, for that step's shapes and the sites the file covers). The "
+            "regression alert fires when the 5-minute median of their ratio "
+            "(fadiag_attention_regression_ratio) stays over 1.2x.",
             [
                 target(
                     f"fadiag_step_attention_forward_seconds{{{SEL}}}\n"
@@ -502,8 +512,10 @@ def overview() -> dict:
         ),
         timeseries(
             "Uninstrumented attention calls per second",
-            "Attention calls fadiag saw but did not measure, by reason (sampling, per-step cap, "
-            "unsupported arguments, ...). Normally 0 or only the configured sampling.",
+            "Attention calls fadiag saw but did not measure, by reason: sampling (steps left out "
+            "by sampling.every_n_steps), per_step_cap (calls beyond steps.max_calls_per_step), "
+            "compiled (calls inside a torch.compile graph). Normally 0 or only the configured "
+            "sampling.",
             [
                 target(
                     f"sum by (reason) (rate(fadiag_attention_uninstrumented_calls_total{{{SEL}}}[{RATE}]))",
@@ -544,9 +556,11 @@ def overview() -> dict:
         ),
         timeseries(
             "Straggler: step attention time vs fastest rank",
-            "Each rank's mean attention seconds per step over the fastest selected rank's "
-            "(1 = fastest). Select one run. The dashed line is the 1.3x straggler alert.",
-            [target(f"({STEP_MEAN})\n/ on() group_left() min(\n  {STEP_MEAN}\n)", "rank {{rank}}")],
+            "Each rank's mean attention seconds per step over the fastest rank of the same run "
+            "(run_id of fadiag_run_info; 1 = fastest), as the straggler alert computes it. The "
+            "dashed line is that alert's 1.3x.",
+            [target(f"{BY_RUN}\n/ on(run_id) group_left()\nmin by (run_id) (\n  {BY_RUN}\n)",
+                    "rank {{rank}} ({{run_id}})")],
             unit="suffix:x",
             threshold=(1.3, True),
         ),

@@ -87,6 +87,7 @@ class Metrics(Sink):
         self._last: StepReport | None = None
         self._steps = 0
         self.baseline_seconds: float | None = None
+        self.regression_ratio: float | None = None
         self.oldest_inflight_seconds = 0.0
         self.errors = 0
         if registry is not None:
@@ -228,6 +229,10 @@ class Metrics(Sink):
         if self.baseline_seconds is not None:
             yield _gauge("fadiag_attention_baseline_seconds",
                          "Regression baseline of attention seconds per step.", r, self.baseline_seconds)
+        if self.regression_ratio is not None:
+            yield _gauge("fadiag_attention_regression_ratio",
+                         "Attention seconds of the last resolved step over its regression baseline "
+                         "(the sites and shapes the baseline covers).", r, self.regression_ratio)
         g = GaugeMetricFamily("fadiag_build_info", "fadiag build.", labels=list(self.build_info))
         g.add_metric(list(self.build_info.values()), 1.0)
         yield g

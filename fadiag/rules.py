@@ -42,12 +42,17 @@ class Rules:
         self.baseline = baseline
         self.active: dict[tuple[str, str], Flag] = {}
         self.baseline_seconds: float | None = None
+        """The baseline the last judged step was compared with (its sites, its key)."""
+        self.regression_ratio: float | None = None
+        """The last step's attention seconds over that baseline; None for a step without one."""
         self._warm: dict[object, list[float]] = {}
         self._frozen: dict[object, tuple[float, float]] = {}
         self._seen_steps = 0
         self._over: deque[bool] = deque(maxlen=max(1, cfg.regression.consecutive))
         self._baseline_warned = False
-        self._recent: deque[float] = deque(maxlen=3)
+        # (observed / expected, observed - expected - allowed) of the last three judged steps:
+        # ratios, so steps of different keys (shapes a run alternates between) compare.
+        self._recent: deque[tuple[float, float]] = deque(maxlen=3)
         self._calm: dict[tuple[str, str], int] = {}
         self._last_step = 0
 
@@ -138,6 +143,7 @@ class Rules:
 
     def _regression(self, report: StepReport, sites: list[SiteSummary]) -> dict[tuple[str, str], Flag]:
         cfg = self.cfg.regression
+        self.regression_ratio = None
         observed = report.attention_seconds
         expected: float | None = None
         spread = 0.0
@@ -168,18 +174,22 @@ class Rules:
             # A clean run on a noisy machine stays within a few MADs of its own warm-up.
             spread = 3.0 * 1.4826 * mad
         self.baseline_seconds = expected
+        self.regression_ratio = observed / expected if expected > 0.0 else None
+        if self.regression_ratio is None:
+            self._over.append(False)
+            return {}
         # A median of the last three steps: one slow step (a GC pause, a neighbour's burst) is
         # not a regression; a real slowdown lifts the median from its second step on.
-        self._recent.append(observed)
-        smoothed = statistics.median(self._recent)
-        over = (smoothed > expected * (1.0 + cfg.tolerance)
-                and smoothed > expected + max(spread, cfg.min_increase_seconds))
+        self._recent.append((self.regression_ratio,
+                             observed - expected - max(spread, cfg.min_increase_seconds)))
+        value = statistics.median(r for r, _ in self._recent)
+        over = value > 1.0 + cfg.tolerance and statistics.median(x for _, x in self._recent) > 0.0
         self._over.append(over)
         if len(self._over) == self._over.maxlen and all(self._over):
-            value = smoothed / expected
             worst = max(sites, key=lambda s: s.forward_seconds + s.backward_seconds, default=None)
-            msg = (f"attention {smoothed * 1e3:.2f} ms/step (median of 3) is {value:.2f}x its baseline "
-                   f"{expected * 1e3:.2f} ms for {cfg.consecutive} steps"
+            msg = (f"attention {observed * 1e3:.2f} ms/step is {value:.2f}x its baseline "
+                   f"{expected * 1e3:.2f} ms (median of the last 3 steps' ratios) for "
+                   f"{cfg.consecutive} steps"
                    + (f"; largest site {worst.site} impl={worst.impl}" if worst else "")
                    + " — check for a backend change (fadiag doctor), a new shape, or a noisy neighbour")
             return {("regression", TOTAL): self._flag("regression", value, 1.0 + cfg.tolerance,

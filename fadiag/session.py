@@ -249,6 +249,7 @@ class Session:
             self._error("rules", e)
             flags = []
         self.metrics.baseline_seconds = self.rules.baseline_seconds
+        self.metrics.regression_ratio = self.rules.regression_ratio
         self.sinks.emit(report)
         for f in flags:
             self.sinks.flag(f)

@@ -74,6 +74,7 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
         ("fadiag_attention_peak_bytes", "gauge", {"rank"}),
         ("fadiag_step_peak_memory_bytes", "gauge", {"rank"}),
         ("fadiag_attention_baseline_seconds", "gauge", {"rank"}),
+        ("fadiag_attention_regression_ratio", "gauge", {"rank"}),
         ("fadiag_steps_total", "counter", {"rank"}),
         ("fadiag_attention_calls_total", "counter", {"rank", "impl"}),
         ("fadiag_attention_uninstrumented_calls_total", "counter", {"rank", "reason"}),

@@ -52,8 +52,9 @@ def test_every_alert_the_issue_names_is_shipped():
 
 def test_regression_alert_has_a_baseline_form_and_a_trailing_window_form():
     exprs = [r["expr"] for r in alert_rules() if r["alert"] == "FadiagAttentionRegression"]
-    assert any("fadiag_attention_baseline_seconds > 1.2" in e for e in exprs)
-    assert any("[1h] offset 15m" in e and "fadiag_attention_baseline_seconds > 1.2" not in e for e in exprs)
+    assert any(e.startswith("fadiag:attention_regression_ratio:median5m") for e in exprs)
+    assert any("[1h] offset 15m" in e and "unless on(job, instance, rank) fadiag_attention_baseline_seconds" in e
+               for e in exprs)
 
 
 def test_every_alert_is_unit_tested_firing_and_silent():

@@ -155,6 +155,7 @@ class StandInExporter:
             "fadiag_attention_peak_bytes": 2 * p.kept,
             "fadiag_step_peak_memory_bytes": 340_000_000,
             "fadiag_attention_baseline_seconds": p.fwd + p.bwd,
+            "fadiag_attention_regression_ratio": 1.0,
             "fadiag_attention_oldest_inflight_seconds": 0.0,
             "fadiag_last_step_timestamp_seconds": last_step,
         }
@@ -375,7 +376,7 @@ def test_memory_savings_low_fires_for_the_math_path_and_reaches_the_webhook(scen
 
     delivered = stack.webhook.wait_for_alert("FadiagMemorySavingsLow", job=job)
     assert delivered["labels"]["severity"] == "warning"
-    assert "less memory for backward than standard" in delivered["annotations"]["description"]
+    assert "of the memory standard attention would keep" in delivered["annotations"]["description"]
     assert any(
         a["labels"]["alertname"] == "FadiagMemorySavingsLow" and a["labels"]["job"] == job for a in stack.am_alerts()
     )

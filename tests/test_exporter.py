@@ -69,6 +69,20 @@ def test_a_scrape_after_five_steps_holds_every_contract_metric():
     assert not any(s.name.endswith("_created") for f in fams.values() for s in f.samples)
 
 
+def test_the_regression_ratio_is_served_once_a_baseline_exists():
+    s = fadiag.attach(port=0, **{"rules.regression.warmup_steps": 1, "rules.regression.window": 3})
+    train(GPT(layers=2), steps=3)
+    assert s.flush(10)
+    fams = families(scrape(s.port))
+    assert "fadiag_attention_regression_ratio" not in fams  # still collecting its baseline
+    train(GPT(layers=2), steps=3)
+    assert s.flush(10)
+    [sample] = families(scrape(s.port))["fadiag_attention_regression_ratio"].samples
+    assert sample.labels == {"rank": "0"} and sample.value == s.rules.regression_ratio
+    last = s.last_step()
+    assert sample.value == pytest.approx(last.attention_seconds / s.rules.baseline_seconds)
+
+
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")
 def test_promtool_check_metrics_passes_on_a_real_scrape():
     s = fadiag.attach(port=0, per_site=True)

@@ -211,3 +211,48 @@ def test_ratio_message_says_what_is_normal_for_the_backend_and_length(impl, s, e
                        standard_bytes=1)
     message = _ratio_advice(3.4, 3.0, site, 1, 1)
     assert message.startswith("backward/forward 3.40x > 3x") and expected in message
+
+
+def _two_shape_report(step, seconds, n):
+    """A step at sequence length `n` (a run that buckets its sequences by length)."""
+    call = CallRecord(site="m.py:1#0", impl="cpu_flash", shape=(1, 2, n, n, 32), dtype="float32",
+                      causal=True, forward_seconds=seconds / 3, backward_seconds=2 * seconds / 3,
+                      kept_bytes=100, standard_bytes=10_000)
+    return StepReport(step=step, forward_seconds=seconds / 3, backward_seconds=2 * seconds / 3,
+                      kept_bytes=100, standard_bytes=10_000, peak_bytes=None, calls=[call])
+
+
+def test_regression_compares_each_step_with_its_own_shapes_baseline():
+    # Two sequence lengths, 2 ms and 20 ms a step, in the pattern short, short, long: each step
+    # is judged against its own shape's baseline, so a clean run stays at ratio 1 and a 1.5x
+    # slowdown of both shapes fires (a median over the raw seconds of mixed shapes would compare
+    # a long step with short ones and miss it).
+    cfg = load_config({"rules": {"regression": {"warmup_steps": 3, "window": 10, "consecutive": 5}}})
+    rules = Rules(cfg.rules)
+    fired, ratios = [], []
+    for step in range(1, 151):
+        n, seconds = (1024, 0.020) if step % 3 == 0 else (256, 0.002)
+        slow = 1.5 if step > 120 else 1.0
+        fired += [f for f in rules.evaluate(_two_shape_report(step, seconds * slow, n)) if not f.cleared]
+        if 60 < step <= 120:
+            ratios.append(rules.regression_ratio)
+    assert ratios == [pytest.approx(1.0)] * 60
+    assert [f.rule for f in fired] == ["regression"]
+    assert 121 <= fired[0].step <= 127 and fired[0].value == pytest.approx(1.5)
+
+
+def test_regression_ratio_covers_the_sites_a_baseline_file_matches(tmp_path):
+    # The file knows one of the run's two sites: the ratio is that site's time over its
+    # baseline, not the whole step's time over one site's baseline.
+    path = tmp_path / "baseline.json"
+    baseline.save(baseline.build([_report(i, 0.01) for i in range(20)], "cpu", skip=0), path)
+    rules = Rules(RulesConfig(), device="cpu", baseline=baseline.load(path))
+    step = _report(1, 0.01)
+    other = CallRecord(site="m.py:9#0", impl="cpu_flash", shape=(1, 2, 256, 256, 32), dtype="float32",
+                       causal=True, forward_seconds=0.01, backward_seconds=0.02)
+    step.calls.append(other)
+    step.forward_seconds += other.forward_seconds
+    step.backward_seconds += other.backward_seconds
+    assert rules.evaluate(step) == []
+    assert rules.regression_ratio == pytest.approx(1.0)
+    assert rules.baseline_seconds == pytest.approx(0.01)
