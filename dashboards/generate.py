@@ -513,9 +513,9 @@ def overview() -> dict:
         timeseries(
             "Uninstrumented attention calls per second",
             "Attention calls fadiag saw but did not measure, by reason: sampling (steps left out "
-            "by sampling.every_n_steps), per_step_cap (calls beyond steps.max_calls_per_step), "
-            "compiled (calls inside a torch.compile graph). Normally 0 or only the configured "
-            "sampling.",
+            "by sampling.every_n_steps), per_step_cap (calls beyond steps.max_calls_per_step). "
+            "Normally 0 or only the configured sampling. Calls inside torch.compile graphs are "
+            "not seen at all.",
             [
                 target(
                     f"sum by (reason) (rate(fadiag_attention_uninstrumented_calls_total{{{SEL}}}[{RATE}]))",

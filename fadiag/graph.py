@@ -41,7 +41,12 @@ class SavedBytes:
                 self.seen[ptr] = storage.nbytes()
         except Exception:  # nested / sparse tensors have no plain storage
             pass
-        return self._outer_pack(t) if self._outer_pack is not None else t
+        if self._outer_pack is not None:
+            return self._outer_pack(t)
+        # Not `t`: a saved output would then hold itself through its own grad_fn, a cycle through
+        # C++ that Python's collector cannot see, and the whole graph behind it would never be
+        # freed when no backward runs. The detached alias shares storage and version counter.
+        return t.detach()
 
     def unpack(self, packed: Any) -> Any:
         return self._outer_unpack(packed) if self._outer_unpack is not None else packed

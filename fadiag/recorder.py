@@ -142,7 +142,6 @@ class Recorder:
         """Calls on steps that sampling skips (cumulative)."""
         self.over_cap = 0
         """Calls past steps.max_calls_per_step (cumulative)."""
-        self.compiled_calls = 0
         self.signatures: dict[Any, Signature] = {}
         self.backward_seen = False
         self.in_backward = 0
@@ -190,10 +189,11 @@ class Recorder:
 
         @functools.wraps(original)
         def fadiag_attention(*args: Any, **kwargs: Any) -> Any:
-            if rec.depth or not rec.enabled:
-                return original(*args, **kwargs)
+            # First, and touching no state: dynamo traces this function, and whatever it reads
+            # here it guards on (a counter read would recompile the graph at every call).
             if _is_compiling():
-                rec.compiled_calls += 1
+                return original(*args, **kwargs)
+            if rec.depth or not rec.enabled:
                 return original(*args, **kwargs)
             rec.calls_since_boundary += 1
             if not rec.measuring:
@@ -265,6 +265,9 @@ class Recorder:
             return call
         except Exception as e:
             self._on_error("recorder.begin", e)
+            calls = self.calls
+            if calls and calls[-1].fwd0 is None:  # appended, and its start mark failed
+                calls.pop()
             return None
 
     def _remember(self, op: AttentionOp, args: tuple[Any, ...], kwargs: dict[str, Any],
@@ -368,22 +371,29 @@ class Recorder:
         rec = self
         probe = call.saved is not None and call.mem0 is not None
 
+        # Run by the autograd engine inside the user's backward(): nothing may escape them.
         def on_backward_start(grad_outputs: Any) -> None:
-            if call.bwd0 is None:
-                rec.backward_seen = True
-                rec.in_backward += 1
-                if probe:
-                    call.mem0 = timer.memory_stats()
-                call.bwd0 = timer.mark()
+            try:
+                if call.bwd0 is None:
+                    rec.backward_seen = True
+                    rec.in_backward += 1
+                    if probe:
+                        call.mem0 = timer.memory_stats()
+                    call.bwd0 = timer.mark()
+            except Exception as e:
+                rec._on_error("recorder.backward", e)
 
         def on_backward_end(*_: Any) -> None:
-            call.remaining -= 1
-            if call.remaining == 0:
-                call.bwd1 = timer.mark()
-                rec.in_backward = max(0, rec.in_backward - 1)
-                if probe and call.mem0 is not None and sig.peak_bytes is not None:
-                    bwd_peak = window_peak(call.mem0, timer.memory_stats())
-                    sig.peak_bytes = max(sig.peak_bytes, bwd_peak)
+            try:
+                call.remaining -= 1
+                if call.remaining == 0:
+                    rec.in_backward = max(0, rec.in_backward - 1)
+                    call.bwd1 = timer.mark()
+                    if probe and call.mem0 is not None and sig.peak_bytes is not None:
+                        bwd_peak = window_peak(call.mem0, timer.memory_stats())
+                        sig.peak_bytes = max(sig.peak_bytes, bwd_peak)
+            except Exception as e:
+                rec._on_error("recorder.backward", e)
 
         node.register_prehook(on_backward_start)
         fused = follow(node, sig.fused_path) if sig.fused_path is not None else None

@@ -127,7 +127,8 @@ class Resolver:
             except Exception as e:
                 self._on_error("resolver", e)
                 if self._pending:
-                    self._pending.popleft()  # a step that cannot be resolved is dropped, once
+                    # A step that cannot be resolved is dropped, once, and its marks given back.
+                    self._release(self._pending.popleft().calls)
                     self._finished += 1
             with self._count_lock:
                 if self._finished == self._submitted:
@@ -156,6 +157,8 @@ class Resolver:
     def _try_resolve(self, step: ClosedStep) -> bool:
         """Report `step` if the device has passed every mark it needs; False to look again."""
         calls = [c for c in step.calls if not (c.aborted or c.sig is None)]
+        if len(calls) < len(step.calls):  # calls that raised or were never learned: not timed
+            self._release([c for c in step.calls if c.aborted or c.sig is None])
         by_timer: dict[Any, list[Call]] = {}
         for c in calls:
             by_timer.setdefault(c.timer, []).append(c)
@@ -172,6 +175,16 @@ class Resolver:
                 c.fwd0 = c.fwd1 = c.bwd0 = c.bwd1 = None
         self._report(step, [(c, *seconds[c]) for c in calls])
         return True
+
+    def _release(self, calls: list[Call]) -> None:
+        """Give back the marks of calls that will not be timed (a native slot is never reclaimed
+        otherwise); a hook that fires later takes a fresh mark, which this call then never uses."""
+        for c in calls:
+            try:
+                c.timer.release(c.fwd0, c.fwd1, c.bwd0, c.bwd1)
+            except Exception as e:
+                self._on_error("resolver.release", e)
+            c.fwd0 = c.fwd1 = c.bwd0 = c.bwd1 = None
 
     def _report(self, step: ClosedStep, timed: list[tuple[Call, float, float]]) -> None:
         records: list[CallRecord] = []
@@ -252,3 +265,4 @@ def _seconds(x: float) -> float:
     if x != x or x < 0.0 or x == float("inf"):
         return 0.0
     return x
+

@@ -166,7 +166,7 @@ class StandInExporter:
         counters: list[tuple[str, list[str], dict[tuple[str, ...], int]]] = [
             ("fadiag_steps", ["rank"], {(rank,): steps}),
             ("fadiag_attention_calls", ["rank", "impl"], {(rank, p.impl): steps * len(SITES)}),
-            ("fadiag_attention_uninstrumented_calls", ["rank", "reason"], {(rank, "compiled"): 0}),
+            ("fadiag_attention_uninstrumented_calls", ["rank", "reason"], {(rank, "sampling"): 0}),
             ("fadiag_internal_errors", ["rank"], {(rank,): 0}),
             # One flag episode every 5 s on the flagged rules: the memory rule keeps re-firing.
             ("fadiag_flags", ["rank", "rule"], {(rank, r): steps // 50 if r in p.flagged else 0 for r in FLAG_RULES}),

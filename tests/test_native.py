@@ -652,3 +652,20 @@ def test_the_per_step_cap_holds_on_the_fast_path(ext):
     assert s.flush(10) and s.errors == 0
     assert s.recorder._fast is not None
     assert [len(r.calls) for r in s.history()] == [2] * 5 and s.recorder.over_cap == 2 * 5
+
+
+def test_calls_that_raise_give_their_marks_back(ext):
+    # A user who catches an error from attention (a bad shape) and goes on: each such call took
+    # a start mark; once its step is resolved every slot is back in the pool.
+    s = attach(native="on")
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    narrow = torch.randn(1, 2, 16, 4, requires_grad=True)  # head dim 4 against the query's 8
+    for _ in range(3):
+        for _ in range(50):
+            with pytest.raises(RuntimeError):
+                F.scaled_dot_product_attention(q, narrow, narrow)
+        F.scaled_dot_product_attention(q, q, q).sum().backward()
+        fadiag.step()
+    r = resolved(s)
+    assert len(r.calls) == 1 and r.calls[0].backward_seconds > 0
+    assert s.devices.timer("cpu").marks_in_use() == 0

@@ -229,3 +229,87 @@ def test_metrics_endpoint_binds_to_loopback_by_default():
     conns = [c for c in psutil.Process().net_connections(kind="tcp")
              if c.status == psutil.CONN_LISTEN and c.laddr.port == s.port]
     assert [c.laddr.ip for c in conns] == ["127.0.0.1"]
+
+
+def test_a_mark_that_fails_inside_backward_never_reaches_backward(monkeypatch):
+    # Python marks: the backward hooks run inside the user's backward(); a failing mark there
+    # (e.g. an event recorded on another device's stream) is counted, not raised.
+    s = fadiag.attach(port=0, native="off")
+    q = torch.randn(1, 2, 32, 8, requires_grad=True)
+    out = F.scaled_dot_product_attention(q, q, q)
+    timer = s.devices.timer("cpu")
+
+    def broken() -> None:
+        raise RuntimeError("Event device 1 does not match recording stream's device 0")
+
+    monkeypatch.setattr(timer, "mark", broken)
+    out.sum().backward()  # must not raise
+    assert q.grad is not None and s.errors >= 1
+    monkeypatch.undo()
+    fadiag.step()
+    assert s.flush(10)
+    assert s.recorder.in_backward == 0
+
+
+def test_a_failed_start_mark_drops_that_call_not_the_step(monkeypatch):
+    s = fadiag.attach(port=0, native="off")
+    q = torch.randn(1, 2, 32, 8, requires_grad=True)
+    F.scaled_dot_product_attention(q, q, q).sum().backward()  # learn the signature
+    fadiag.step()
+    timer = s.devices.timer("cpu")
+    real = timer.mark
+    fail = [True]
+
+    def once() -> object:
+        if fail.pop() if fail else False:
+            raise RuntimeError("mark failed")
+        return real()
+
+    monkeypatch.setattr(timer, "mark", once)
+    a = F.scaled_dot_product_attention(q, q, q)  # its start mark fails: not measured
+    b = F.scaled_dot_product_attention(q, q, q)
+    (a.sum() + b.sum()).backward()
+    fadiag.step()
+    assert s.flush(10)
+    r = s.last_step()
+    assert r.step == 2 and len(r.calls) == 1 and r.calls[0].forward_seconds > 0
+    assert s.errors == 1
+
+
+def test_torch_compile_traces_the_wrapper_once(monkeypatch):
+    # dynamo traces fadiag's wrapper: reading any of fadiag's state there would put a guard on
+    # it, and a counter bumped per call would recompile the graph at every call (with
+    # fullgraph=True, up to the recompile limit, then an error in the user's code).
+    fadiag.attach(port=0)
+    compiles = []
+
+    def backend(gm, example_inputs):
+        compiles.append(gm)
+        return gm.forward
+
+    @torch.compile(backend=backend, fullgraph=True)
+    def f(q):
+        return F.scaled_dot_product_attention(q, q, q)
+
+    q = torch.randn(1, 2, 16, 8)
+    for _ in range(20):
+        out = f(q)
+    assert len(compiles) == 1
+    assert torch.allclose(out, F.scaled_dot_product_attention(q, q, q))
+
+
+def test_a_probed_call_without_backward_frees_its_graph():
+    # The first call of a signature counts its saved bytes with saved-tensor hooks. Evaluation
+    # with grad on runs no backward: the output and the graph behind it must still be freed.
+    import gc
+    import weakref
+
+    fadiag.attach(port=0)
+    q = torch.randn(1, 2, 64, 16, requires_grad=True)
+    w = torch.randn(16, 16, requires_grad=True)
+    x = q @ w
+    out = F.scaled_dot_product_attention(x, x, x, is_causal=True)
+    ref = weakref.ref(out)
+    del out, x
+    gc.collect()
+    assert ref() is None
