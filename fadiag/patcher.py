@@ -19,6 +19,7 @@ class Patcher:
     def __init__(self) -> None:
         self._patches: list[tuple[Any, str, Any, bool]] = []
         self._items: list[tuple[Any, Any, Any]] = []
+        self._builtins: list[tuple[dict[int, Any], int]] = []
 
     def replace(self, owner: Any, attr: str, new: Any) -> Any:
         """Set owner.attr = new; returns the original. Class attributes keep their own/inherited state."""
@@ -32,6 +33,23 @@ class Patcher:
         """mapping[key] = new, restored on restore()."""
         self._items.append((mapping, key, mapping[key]))
         mapping[key] = new
+
+    def alias_builtin(self, original: Any, new: Any) -> None:
+        """Let TorchScript compile calls to `new` as the builtin op `original` is.
+
+        TorchScript knows builtins by identity; without this, scripting any code that calls a
+        wrapped op fails. Scripted code then runs the op itself, unmeasured, as without fadiag.
+        """
+        try:
+            from torch.jit import _builtins
+
+            table = _builtins._get_builtin_table()
+        except Exception:  # a torch without TorchScript's table: nothing to alias
+            return
+        op = table.get(id(original))
+        if op is not None:
+            table[id(new)] = op
+            self._builtins.append((table, id(new)))
 
     def rebind_everywhere(self, original: Any, new: Any) -> int:
         """Point every module global that *is* `original` at `new`; returns how many."""
@@ -52,6 +70,9 @@ class Patcher:
 
     def restore(self) -> None:
         """Undo every replacement, newest first."""
+        while self._builtins:  # before the wrappers can be freed and their ids reused
+            table, key = self._builtins.pop()
+            table.pop(key, None)
         while self._items:
             mapping, key, original = self._items.pop()
             mapping[key] = original

@@ -167,6 +167,7 @@ class Session:
                 continue
             wrapper = self.recorder.wrap(original, op)
             self._patcher.replace(owner, attr, wrapper)
+            self._patcher.alias_builtin(original, wrapper)
             done.add(id(original))
             if self.config.interceptors.rebind_imported:
                 self._patcher.rebind_everywhere(original, wrapper)

@@ -392,3 +392,23 @@ def test_the_quick_argument_reader_agrees_with_the_full_one_in_every_calling_sty
     seen = extras | {quick_sdpa(a, k)[3] for a, k in different}
     assert len(seen) == 1 + len(different)
 
+
+
+def test_torchscript_still_scripts_code_that_calls_sdpa():
+    # TorchScript knows F.scaled_dot_product_attention by identity; the wrapper is registered as
+    # the same builtin, so scripting works and the scripted call runs the op itself.
+    attach()
+
+    class Attention(torch.nn.Module):
+        def forward(self, q: torch.Tensor) -> torch.Tensor:
+            return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    scripted = torch.jit.script(Attention())
+    q = torch.randn(1, 2, 16, 8)
+    assert torch.equal(scripted(q), Attention()(q))
+    from torch.jit import _builtins
+
+    wrapper = F.scaled_dot_product_attention
+    assert _builtins._get_builtin_table()[id(wrapper)] == "aten::scaled_dot_product_attention"
+    fadiag.detach()
+    assert id(wrapper) not in _builtins._get_builtin_table()  # gone with the wrapper
