@@ -513,7 +513,8 @@ def overview() -> dict:
         timeseries(
             "Uninstrumented attention calls per second",
             "Attention calls fadiag saw but did not measure, by reason: sampling (steps left out "
-            "by sampling.every_n_steps), per_step_cap (calls beyond steps.max_calls_per_step). "
+            "by sampling.every_n_steps), per_step_cap (calls beyond steps.max_calls_per_step), "
+            "other_device (calls on an accelerator that is not the process's current device). "
             "Normally 0 or only the configured sampling. Calls inside torch.compile graphs are "
             "not seen at all.",
             [

@@ -64,7 +64,10 @@ class CpuTimer:
     def release(self, *marks: Any) -> None:
         pass
 
-    def memory_stats(self) -> dict[str, int] | None:
+    def memory_stats(self, device: int | None = None) -> dict[str, int] | None:
+        return None
+
+    def current_device(self) -> int | None:
         return None
 
     def pool_size(self) -> int:
@@ -121,8 +124,12 @@ class EventTimer:
     def release(self, *marks: Any) -> None:
         self._free.extend(m for m in marks if m is not None)
 
-    def memory_stats(self) -> dict[str, int] | None:
-        return _allocator_stats(self._module)
+    def memory_stats(self, device: int | None = None) -> dict[str, int] | None:
+        return _allocator_stats(self._module, device)
+
+    def current_device(self) -> int | None:
+        """This thread's current device; the resolver thread's is not the training thread's."""
+        return int(self._module.current_device())
 
     def pool_size(self) -> int:
         return self._created
@@ -193,8 +200,11 @@ class NativeTimer:
         new, self._errors_seen = total - self._errors_seen, total
         return new
 
-    def memory_stats(self) -> dict[str, int] | None:
-        return _allocator_stats(self._module) if self._module is not None else None
+    def memory_stats(self, device: int | None = None) -> dict[str, int] | None:
+        return _allocator_stats(self._module, device) if self._module is not None else None
+
+    def current_device(self) -> int | None:
+        return int(self._module.current_device()) if self._module is not None else None
 
     def pool_size(self) -> int:
         return int(self._marks.events_created() if self.kind == "cuda" else self._marks.slots())
@@ -211,14 +221,15 @@ def _device_name(module: Any, kind: str) -> str:
         return kind
 
 
-def _allocator_stats(module: Any) -> dict[str, int]:
+def _allocator_stats(module: Any, device: int | None = None) -> dict[str, int]:
+    """The allocator's figures for `device` (default: this thread's current device)."""
     if module is torch.cuda and hasattr(torch._C, "_cuda_memoryStats"):
         # The nested form: `memory_stats()` flattens it in Python, ~10x the cost of reading it.
-        nested = torch._C._cuda_memoryStats(torch._C._cuda_getDevice())
+        nested = torch._C._cuda_memoryStats(torch._C._cuda_getDevice() if device is None else device)
         allocated = nested.get("allocated_bytes", {}).get("all", {})
         return {"current": int(allocated.get("current", 0)), "peak": int(allocated.get("peak", 0)),
                 "allocated": int(allocated.get("allocated", 0))}
-    stats = module.memory_stats()
+    stats = module.memory_stats() if device is None else module.memory_stats(device)
     return {
         "current": int(stats.get("allocated_bytes.all.current", 0)),
         "peak": int(stats.get("allocated_bytes.all.peak", 0)),

@@ -109,13 +109,20 @@ class Call:
 class ClosedStep:
     """A step's calls, handed to the resolver."""
 
-    __slots__ = ("index", "calls", "wall_time", "closed")
+    __slots__ = ("index", "calls", "wall_time", "closed", "device")
 
     def __init__(self, index: int, calls: list[Call]):
         self.index = index
         self.calls = calls
         self.wall_time = time.time()
         self.closed = time.monotonic()
+        # The training thread's current device, for the step's allocator figures: the resolver
+        # thread's own current device is device 0 (CUDA's current device is per thread).
+        timer = next((c.timer for c in calls if c.timer.kind != "cpu"), None)
+        try:
+            self.device = None if timer is None else timer.current_device()
+        except Exception:  # the resolver then reads the current device's, as it would anyway
+            self.device = None
 
 
 class Recorder:
@@ -142,6 +149,9 @@ class Recorder:
         """Calls on steps that sampling skips (cumulative)."""
         self.over_cap = 0
         """Calls past steps.max_calls_per_step (cumulative)."""
+        self.other_device = 0
+        """Calls on an accelerator that is not the thread's current device (several devices in
+        one process): marks go on the current device's stream, so these are not measured."""
         self.signatures: dict[Any, Signature] = {}
         self.backward_seen = False
         self.in_backward = 0
@@ -248,6 +258,10 @@ class Recorder:
                 q, k, v = info.q, info.k, info.v
                 extra = (info.causal, info.dropout > 0.0, mask_key(info.mask))
             dev = q.device
+            timer = self.devices.timer(dev.type)
+            if dev.index is not None and dev.type != "cpu" and dev.index != timer.current_device():
+                self.other_device += 1
+                return None
             key = (op.name, q.shape, k.shape, v.shape, q.dtype, dev, grad, q.requires_grad,
                    k.requires_grad, v.requires_grad,
                    backends.backend_flags() if op.sdpa_like else None, extra)
@@ -256,8 +270,7 @@ class Recorder:
                 info = op.read(args, kwargs)
             elif sig is not None and op.quick is quick_sdpa and grad and not recompute:
                 self._remember(op, args, kwargs, sig)
-            call = Call(self._site(recompute), self.devices.timer(dev.type), recompute, key,
-                        info, (q, k, v))
+            call = Call(self._site(recompute), timer, recompute, key, info, (q, k, v))
             call.sig = sig
             call.probe = sig is None and grad and not recompute and _hooks_enabled()
             self.calls.append(call)

@@ -229,7 +229,7 @@ class Resolver:
         for kind, timer in devices.items():
             if kind == "cpu":
                 continue
-            after = timer.memory_stats()
+            after = timer.memory_stats(step.device)
             before = self._mem_before.get(kind)
             self._mem_before[kind] = after
             if before is None:

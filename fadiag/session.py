@@ -258,8 +258,8 @@ class Session:
     def _on_tick(self, oldest_inflight: float) -> None:
         self.metrics.oldest_inflight_seconds = oldest_inflight
         rec = self.recorder
-        for reason, total in (("sampling", rec.sampled_out),
-                              ("per_step_cap", rec.over_cap)):
+        for reason, total in (("sampling", rec.sampled_out), ("per_step_cap", rec.over_cap),
+                              ("other_device", rec.other_device)):
             self.metrics.set_uninstrumented(reason, total)
         for f in self.rules.check_hang(oldest_inflight):
             self.sinks.flag(f)

@@ -130,3 +130,28 @@ def test_the_cli_finds_an_ascend_device_through_torch_npu(monkeypatch):
     monkeypatch.delitem(sys.modules, "torch_npu")
     with fake_npu():
         assert available("npu") and bench.default_device() == "npu"
+
+
+def test_step_memory_is_read_for_the_training_threads_device(torch_npu, monkeypatch):
+    # Under torchrun each rank sets its own device on its training thread; the resolver thread
+    # reads the step's allocator figures, and its own current device is device 0. The figures
+    # must be those of the training thread's device.
+    import threading
+
+    training = threading.current_thread()
+    monkeypatch.setattr(torch.npu, "current_device",
+                        lambda: 3 if threading.current_thread() is training else 0)
+    asked: list[tuple[str, object]] = []
+    stats = torch.npu.memory_stats
+
+    def memory_stats(device=None):
+        asked.append((threading.current_thread().name, device))
+        return stats(device)
+
+    monkeypatch.setattr(torch.npu, "memory_stats", memory_stats)
+    s = fadiag.attach(device="npu", port=0)
+    train_npu(torch_npu, "BSND", steps=2)
+    assert s.flush(10)
+    from_resolver = {device for thread, device in asked if thread != training.name}
+    assert from_resolver == {3}
+

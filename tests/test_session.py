@@ -262,7 +262,7 @@ def test_skipped_calls_are_exported_by_reason():
     s = fadiag.attach(port=0, every_n_steps=2, **{"steps.max_calls_per_step": 1})
     train(GPT(layers=2), steps=4)
     assert s.flush(10)
-    expected = {"sampling": 4, "per_step_cap": 2}
+    expected = {"sampling": 4, "per_step_cap": 2, "other_device": 0}
     deadline = time.monotonic() + 5
     while True:  # the counters are refreshed by the resolver's twice-a-second tick
         text = urllib.request.urlopen(f"http://127.0.0.1:{s.port}/metrics").read().decode()
@@ -412,3 +412,38 @@ def test_torchscript_still_scripts_code_that_calls_sdpa():
     assert _builtins._get_builtin_table()[id(wrapper)] == "aten::scaled_dot_product_attention"
     fadiag.detach()
     assert id(wrapper) not in _builtins._get_builtin_table()  # gone with the wrapper
+
+
+def test_calls_on_a_device_that_is_not_current_are_counted_not_mistimed():
+    # Several accelerators in one process (a model split across them): marks go on the current
+    # device's stream, which would time unrelated work for a call on another device. Such calls
+    # are left unmeasured and counted (uninstrumented, reason other_device), never mistimed.
+    from fadiag.ops import OPS
+    from fadiag.recorder import Recorder
+
+    class OnCuda0(torch.Tensor):
+        @property
+        def device(self):  # type: ignore[override]
+            return torch.device("cuda", 0)
+
+    class Timer:
+        kind = "cuda"
+
+        def current_device(self) -> int:
+            return 1
+
+        def mark(self) -> None:
+            raise AssertionError("a mark was taken")
+
+    class Devices:
+        native_timers: list = []
+
+        def timer(self, kind: str) -> Timer:
+            return Timer()
+
+    errors: list = []
+    rec = Recorder(Devices(), on_error=lambda where, e: errors.append((where, e)), on_step=lambda s: None)
+    q = torch.randn(1, 2, 16, 8, requires_grad=True).as_subclass(OnCuda0)
+    sdpa = next(op for op in OPS if op.name == "sdpa")
+    assert rec.begin(sdpa, (q, q, q), {}) is None
+    assert rec.other_device == 1 and rec.calls == [] and errors == []
