@@ -116,7 +116,7 @@ class Rules:
                 assert s.ratio is not None
                 out[("backward_forward_ratio", s.site)] = self._flag(
                     "backward_forward_ratio", s.ratio, cfg.threshold, report.step, s.site, s,
-                    _ratio_advice(s.ratio, cfg.threshold, s, 1, 1))
+                    _ratio_advice(s.ratio, cfg.threshold, s, None, len(sites)))
         return out
 
     def _memory(self, report: StepReport, sites: list[SiteSummary]) -> dict[tuple[str, str], Flag]:
@@ -138,7 +138,7 @@ class Rules:
                                if c.site == s.site and c.fallback_reason), None)
                 out[("memory_savings", s.site)] = self._flag(
                     "memory_savings", s.memory_savings, cfg.threshold, report.step, s.site, s,
-                    _memory_advice(s.memory_savings, cfg.threshold, s, reason, 1, 1))
+                    _memory_advice(s.memory_savings, cfg.threshold, s, reason, None, len(sites)))
         return out
 
     def _regression(self, report: StepReport, sites: list[SiteSummary]) -> dict[tuple[str, str], Flag]:
@@ -228,9 +228,19 @@ def _shape_text(s: SiteSummary | None) -> str:
     return f"impl={s.impl} B={b} H={h} Sq={sq} Sk={sk} D={d} {s.dtype}"
 
 
-def _ratio_advice(r: float, threshold: float, s: SiteSummary | None, n_over: int, n_sites: int) -> str:
+def _where(s: SiteSummary | None, n: int | None, n_sites: int) -> str:
+    """Which site: the worst of the step's `n` over the line, or (n None) the flag's own site."""
+    if s is None:
+        return ""
+    if n is None:
+        return f" (site {s.site}: {_shape_text(s)})"
+    return f" ({n}/{n_sites} sites; worst {s.site}: {_shape_text(s)})"
+
+
+def _ratio_advice(r: float, threshold: float, s: SiteSummary | None, n_over: int | None,
+                  n_sites: int) -> str:
     head = f"backward/forward {r:.2f}x > {threshold:g}x"
-    where = f" ({n_over}/{n_sites} sites; worst {s.site}: {_shape_text(s)})" if s else ""
+    where = _where(s, n_over, n_sites)
     if s is None:
         why = ""
     elif s.impl == "efficient":
@@ -257,9 +267,9 @@ def _ratio_advice(r: float, threshold: float, s: SiteSummary | None, n_over: int
 
 
 def _memory_advice(m: float, threshold: float, s: SiteSummary | None, reason: str | None,
-                   n_under: int, n_sites: int) -> str:
+                   n_under: int | None, n_sites: int) -> str:
     head = f"memory savings {m:.1%} < {threshold:.0%}"
-    where = f" ({n_under}/{n_sites} sites; worst {s.site}: {_shape_text(s)})" if s else ""
+    where = _where(s, n_under, n_sites)
     if s is None:
         why = ""
     elif s.impl == "math":

@@ -256,3 +256,18 @@ def test_regression_ratio_covers_the_sites_a_baseline_file_matches(tmp_path):
     assert rules.evaluate(step) == []
     assert rules.regression_ratio == pytest.approx(1.0)
     assert rules.baseline_seconds == pytest.approx(0.01)
+
+
+def test_a_site_flag_names_its_site_and_not_a_count():
+    # The step total is under the line and one of two sites is over it: the flag is that site's.
+    def call(site, fwd, bwd):
+        return CallRecord(site=site, impl="cpu_flash", shape=(1, 2, 4096, 4096, 64), dtype="float32",
+                          causal=True, forward_seconds=fwd, backward_seconds=bwd, kept_bytes=100,
+                          standard_bytes=10_000)
+
+    calls = [call("m.py:1#0", 0.001, 0.005), call("m.py:2#0", 0.010, 0.010)]
+    report = StepReport(step=1, forward_seconds=0.011, backward_seconds=0.015, kept_bytes=200,
+                        standard_bytes=20_000, peak_bytes=None, calls=calls)
+    [flag] = Rules(RulesConfig()).evaluate(report)
+    assert flag.site == "m.py:1#0" and flag.value == pytest.approx(5.0)
+    assert "(site m.py:1#0: impl=cpu_flash B=1 H=2 Sq=4096" in flag.message and "sites;" not in flag.message
