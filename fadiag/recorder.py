@@ -41,6 +41,7 @@ _graph_task_id = torch._C._current_graph_task_id
 _grad_enabled = torch.is_grad_enabled
 _get_edge = torch.autograd.graph.get_gradient_edge
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 def _is_compiling() -> bool:
@@ -393,6 +394,21 @@ class Recorder:
                     if probe:
                         call.mem0 = timer.memory_stats()
                     call.bwd0 = timer.mark()
+                    if call.remaining > 1:
+                        _queue_callback(close_pass)
+            except Exception as e:
+                rec._on_error("recorder.backward", e)
+
+        def close_pass() -> None:
+            # The end of the backward pass: a partial one (`autograd.grad(out, q)`) ran only
+            # some of the ends. The call's backward is then not timed, and nothing stays open.
+            try:
+                if call.remaining > 0:
+                    call.remaining = 0
+                    rec.in_backward = max(0, rec.in_backward - 1)
+                    if call.bwd0 is not None and call.bwd1 is None:
+                        timer.release(call.bwd0)
+                        call.bwd0 = None
             except Exception as e:
                 rec._on_error("recorder.backward", e)
 

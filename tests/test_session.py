@@ -447,3 +447,22 @@ def test_calls_on_a_device_that_is_not_current_are_counted_not_mistimed():
     sdpa = next(op for op in OPS if op.name == "sdpa")
     assert rec.begin(sdpa, (q, q, q), {}) is None
     assert rec.other_device == 1 and rec.calls == [] and errors == []
+
+
+def test_a_partial_backward_leaves_nothing_open():
+    # On the math path the backward ends where q, k and v get their gradients; a backward that
+    # asks for q's alone never reaches k's and v's producers. The pass's end closes the call:
+    # its backward is not timed, the step resolves at once, and later recomputations are seen.
+    s = attach(**{"native": "off"})
+    x = torch.randn(1, 2, 32, 8, requires_grad=True)
+    wq, wk, wv = (torch.randn(8, 8, requires_grad=True) for _ in range(3))
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(x @ wq, x @ wk, x @ wv)
+    (gq,) = torch.autograd.grad(out.sum(), wq)
+    assert gq is not None and s.recorder.in_backward == 0
+    fadiag.step()
+    t0 = time.monotonic()
+    assert s.flush(10)
+    assert time.monotonic() - t0 < 2.0  # not the 5 s wait for a backward that never ends
+    [call] = s.last_step().calls
+    assert call.forward_seconds > 0 and call.backward_seconds == 0.0
