@@ -93,6 +93,11 @@ class EventTimer:
         self._free: deque[Any] = deque()
         self._created = 0
         self._record = _fast_cuda_record() if kind == "cuda" else None
+        # Read on every call that takes Python's path: torch.cuda.current_device() is a Python
+        # function around the C one.
+        self._current = getattr(torch._C, "_cuda_getDevice", None) if kind == "cuda" else None
+        if self._current is None:
+            self._current = module.current_device
         self.name = _device_name(module, kind)
 
     def mark(self) -> Any:
@@ -129,7 +134,7 @@ class EventTimer:
 
     def current_device(self) -> int | None:
         """This thread's current device; the resolver thread's is not the training thread's."""
-        return int(self._module.current_device())
+        return int(self._current())
 
     def pool_size(self) -> int:
         return self._created

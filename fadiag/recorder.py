@@ -42,6 +42,7 @@ _grad_enabled = torch.is_grad_enabled
 _get_edge = torch.autograd.graph.get_gradient_edge
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
+_KEY_GRAD = 6  # where a call's signature key holds whether grad was enabled
 
 
 def _is_compiling() -> bool:
@@ -273,7 +274,7 @@ class Recorder:
                 self._remember(op, args, kwargs, sig)
             call = Call(self._site(recompute), timer, recompute, key, info, (q, k, v))
             call.sig = sig
-            call.probe = sig is None and grad and not recompute and _hooks_enabled()
+            call.probe = sig is None and grad and _hooks_enabled()
             self.calls.append(call)
             call.fwd0 = call.timer.mark()
             return call
@@ -374,8 +375,9 @@ class Recorder:
             sig.kept_bytes = saved.total()
             if call.mem0 is not None:
                 sig.peak_bytes = window_peak(call.mem0, call.timer.memory_stats())
-        # Only a fully measured signature is cached, so an unmeasurable first call is retried.
-        if sig.kept_bytes is not None or not _hooks_enabled():
+        # Only a fully measured signature is cached, so an unmeasurable first call is retried; a
+        # call without grad (a reentrant checkpoint's forward) keeps nothing to measure.
+        if sig.kept_bytes is not None or not _hooks_enabled() or not call.key[_KEY_GRAD]:
             self.signatures[call.key] = sig
         return sig
 

@@ -466,3 +466,19 @@ def test_a_partial_backward_leaves_nothing_open():
     assert time.monotonic() - t0 < 2.0  # not the 5 s wait for a backward that never ends
     [call] = s.last_step().calls
     assert call.forward_seconds > 0 and call.backward_seconds == 0.0
+
+
+def test_reentrant_checkpointing_learns_each_signature_once(monkeypatch):
+    # The reentrant forward runs without grad: nothing is kept to measure, so its signature is
+    # cached as it is, not learned again on every call.
+    from fadiag.recorder import Recorder
+    from tests.models import GPT, train
+
+    learned = []
+    real = Recorder._learn
+    monkeypatch.setattr(Recorder, "_learn", lambda self, *a: learned.append(1) or real(self, *a))
+    s = attach()
+    train(GPT(layers=3, checkpointing="reentrant"), steps=4)
+    assert s.flush(10)
+    assert s.last_step().step == 4
+    assert len(learned) <= 2  # the forward's signature and the recomputation's
