@@ -84,8 +84,9 @@ def test_one_flag_per_episode_and_cleared_when_it_ends():
     assert not s.rules.active.get(("memory_savings", "*"))
 
 
-def _report(step, seconds, impl="cpu_flash"):
-    call = CallRecord(site="m.py:1#0", impl=impl, shape=(1, 2, 256, 256, 32), dtype="float32",
+def _report(step, seconds, impl="cpu_flash", n=256):
+    """A one-call step at sequence length `n`, `seconds` of attention (backward 2x forward)."""
+    call = CallRecord(site="m.py:1#0", impl=impl, shape=(1, 2, n, n, 32), dtype="float32",
                       causal=True, forward_seconds=seconds / 3, backward_seconds=2 * seconds / 3,
                       kept_bytes=100, standard_bytes=10_000)
     return StepReport(step=step, forward_seconds=seconds / 3, backward_seconds=2 * seconds / 3,
@@ -213,15 +214,6 @@ def test_ratio_message_says_what_is_normal_for_the_backend_and_length(impl, s, e
     assert message.startswith("backward/forward 3.40x > 3x") and expected in message
 
 
-def _two_shape_report(step, seconds, n):
-    """A step at sequence length `n` (a run that buckets its sequences by length)."""
-    call = CallRecord(site="m.py:1#0", impl="cpu_flash", shape=(1, 2, n, n, 32), dtype="float32",
-                      causal=True, forward_seconds=seconds / 3, backward_seconds=2 * seconds / 3,
-                      kept_bytes=100, standard_bytes=10_000)
-    return StepReport(step=step, forward_seconds=seconds / 3, backward_seconds=2 * seconds / 3,
-                      kept_bytes=100, standard_bytes=10_000, peak_bytes=None, calls=[call])
-
-
 def test_regression_compares_each_step_with_its_own_shapes_baseline():
     # Two sequence lengths, 2 ms and 20 ms a step, in the pattern short, short, long: each step
     # is judged against its own shape's baseline, so a clean run stays at ratio 1 and a 1.5x
@@ -233,7 +225,7 @@ def test_regression_compares_each_step_with_its_own_shapes_baseline():
     for step in range(1, 151):
         n, seconds = (1024, 0.020) if step % 3 == 0 else (256, 0.002)
         slow = 1.5 if step > 120 else 1.0
-        fired += [f for f in rules.evaluate(_two_shape_report(step, seconds * slow, n)) if not f.cleared]
+        fired += [f for f in rules.evaluate(_report(step, seconds * slow, n=n)) if not f.cleared]
         if 60 < step <= 120:
             ratios.append(rules.regression_ratio)
     assert ratios == [pytest.approx(1.0)] * 60
