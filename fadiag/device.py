@@ -95,9 +95,8 @@ class EventTimer:
         self._record = _fast_cuda_record() if kind == "cuda" else None
         # Read on every call that takes Python's path: torch.cuda.current_device() is a Python
         # function around the C one.
-        self._current = getattr(torch._C, "_cuda_getDevice", None) if kind == "cuda" else None
-        if self._current is None:
-            self._current = module.current_device
+        current = getattr(torch._C, "_cuda_getDevice", None) if kind == "cuda" else None
+        self._current: Callable[[], int] = current if current is not None else module.current_device
         self.name = _device_name(module, kind)
 
     def mark(self) -> Any:

@@ -8,6 +8,7 @@ call and cached. Closed steps go to the resolver thread; nothing here waits for 
 from __future__ import annotations
 
 import functools
+import logging
 import os
 import sys
 import threading
@@ -43,6 +44,8 @@ _get_edge = torch.autograd.graph.get_gradient_edge
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _KEY_GRAD = 6  # where a call's signature key holds whether grad was enabled
+_UNSEEN_STEPS = 3  # optimizer steps without a C++ backward hook firing before Python's take over
+log = logging.getLogger("fadiag")
 
 
 def _is_compiling() -> bool:
@@ -158,6 +161,11 @@ class Recorder:
         self.backward_seen = False
         self.in_backward = 0
         self.compiled_autograd_configured = False
+        self.python_hooks = False
+        """Set once the C++ backward hooks were seen not to fire (see boundary): Python's from then on."""
+        self._native_hooked = 0  # calls of the open step whose backward the C++ hooks time
+        self._native_starts = 0  # the native timers' backward starts when the step opened
+        self._unseen_steps = 0
         """dynamo's compiled_autograd config flag: a slow read, so read at start and then at a step
         boundary at most every _CONFIG_EVERY_S, never per call (and on the training thread:
         dynamo's config is per thread)."""
@@ -329,11 +337,13 @@ class Recorder:
             info, qkv = call.info, call.qkv
             call.info = call.qkv = None  # a pending call must not keep the inputs alive
             if (sig is not None and qkv is not None and timer.native and sig.fused_path is not None
-                    and not self.compiled_autograd_configured and not compiled_autograd_active()):
+                    and not self.compiled_autograd_configured and not self.python_hooks
+                    and not compiled_autograd_active()):
                 # The steady state with native marks: one C++ call takes the end mark and hooks
                 # the backward.
                 call.fwd1, call.bwd0, call.bwd1 = timer.finish(op.output(out), sig.fused_path)
                 if call.bwd0 is not None:
+                    self._native_hooked += 1
                     return
             else:
                 call.fwd1 = timer.mark()
@@ -530,6 +540,7 @@ class Recorder:
             self._site_counts.clear()
             self._recompute_counts = {}
             self.backward_seen = False
+            self._check_native_hooks(source)
             self._native_backward_seen()
             if self._fast is not None and len(self.devices.native_timers) != 1:
                 self._fast = self._fast_timer = None  # it watches a single timer's counter
@@ -544,6 +555,24 @@ class Recorder:
                 self._on_step(closed)
         except Exception as e:
             self._on_error("recorder.boundary", e)
+
+    def _check_native_hooks(self, source: str) -> None:
+        """Steps that end at an optimizer step after C++-hooked calls whose hooks never fired:
+        the backward ran where C++ hooks are not called (compiled autograd switched on around
+        `backward()` alone, which the forward cannot see), or it never reached attention. After
+        a few such steps in a row, later calls get Python hooks, which compiled autograd runs."""
+        timers = self.devices.native_timers
+        starts = sum(t.backward_starts() for t in timers)
+        if source == "optimizer" and self._native_hooked:
+            self._unseen_steps = self._unseen_steps + 1 if starts == self._native_starts else 0
+            if self._unseen_steps == _UNSEEN_STEPS and not self.python_hooks:
+                self.python_hooks = True
+                log.warning("fadiag: the C++ backward hooks did not fire in %d optimizer steps "
+                            "(compiled autograd around backward(), or attention outputs unused "
+                            "by the loss); attention backward is timed with Python hooks from now "
+                            "on", _UNSEEN_STEPS)
+        self._native_starts = starts
+        self._native_hooked = 0
 
     def open_calls(self) -> list[Call]:
         """The current step's calls so far (a copy; for the hang check)."""

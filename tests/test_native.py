@@ -62,7 +62,7 @@ def test_native_marks_time_every_call_forward_and_backward(ext):
     for c in r.calls:
         assert c.impl == "cpu_flash"
         assert 0 < c.forward_seconds < 1 and 0 < c.backward_seconds < 1
-    assert s.errors == 0
+    assert s.errors == 0 and not s.recorder.python_hooks  # the C++ hooks fired every step
 
 
 @pytest.mark.parametrize("mode", [None, "reentrant", "non_reentrant"])
@@ -669,3 +669,23 @@ def test_calls_that_raise_give_their_marks_back(ext):
     r = resolved(s)
     assert len(r.calls) == 1 and r.calls[0].backward_seconds > 0
     assert s.devices.timer("cpu").marks_in_use() == 0
+
+
+def test_compiled_autograd_around_backward_alone_falls_back_to_python_hooks(ext):
+    # Compiled autograd switched on around backward() only (its context manager, not dynamo's
+    # config) is invisible at forward time, and it does not call C++ hooks: their backward would
+    # read 0 for ever. After three such optimizer steps later calls get Python hooks.
+    from torch._dynamo import compiled_autograd
+
+    s = attach(native="on")
+    q = torch.randn(2, 4, 128, 32, requires_grad=True)
+    opt = torch.optim.SGD([q], lr=0.0)
+    for _ in range(7):
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        with compiled_autograd._enable(torch.compile(backend="eager")):
+            out.sum().backward()
+        opt.step()
+        opt.zero_grad()
+    assert s.flush(10)
+    assert s.recorder.python_hooks and s.errors == 0
+    assert [r.calls[0].backward_seconds > 0 for r in s.history()[-2:]] == [True, True]
