@@ -90,7 +90,15 @@ def load(path: str | os.PathLike[str]) -> Baseline:
     entries = data.get("entries")
     if not isinstance(entries, dict) or not all(
         isinstance(v, dict) and {"forward_seconds", "backward_seconds"} <= v.keys()
+        and all(_is_seconds(v[k]) for k in ("forward_seconds", "backward_seconds"))
         for v in entries.values()
     ):
         raise BaselineError(f"baseline file {path}: entries must map keys to forward/backward seconds")
-    return Baseline(device=str(data.get("device", "")), entries=entries, steps=int(data.get("steps", 0)))
+    steps = data.get("steps", 0)
+    if not isinstance(steps, int) or isinstance(steps, bool) or steps < 0:
+        raise BaselineError(f"baseline file {path}: steps must be a count, got {steps!r}")
+    return Baseline(device=str(data.get("device", "")), entries=entries, steps=steps)
+
+
+def _is_seconds(v: object) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v >= 0

@@ -29,11 +29,17 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
         importlib.import_module(f"fadiag.commands.{name}").add_parser(sub)
-    for command in sub.choices.values():  # `fadiag report RUN -v` as well as `fadiag -v report RUN`
-        if command.prog != "fadiag run":  # after `run`, everything belongs to CMD
-            # SUPPRESS: a subcommand's default must not overwrite a -v given before it.
-            command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
-                                 help="log at DEBUG level")
+    # `fadiag report RUN -v` as well as `fadiag -v report RUN`; not after `run`, where everything
+    # belongs to CMD.
+    todo = [c for c in sub.choices.values() if c.prog != "fadiag run"]
+    while todo:
+        command = todo.pop()
+        # SUPPRESS: a subcommand's default must not overwrite a -v given before it.
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="log at DEBUG level")
+        for action in command._actions:  # nested verbs: `fadiag baseline show FILE -v`
+            if isinstance(action, argparse._SubParsersAction):
+                todo.extend(action.choices.values())
     return parser
 
 

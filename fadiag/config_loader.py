@@ -179,8 +179,13 @@ def _read_yaml(path: str | os.PathLike[str], note: str = "") -> list[_Layer]:
         loader = yaml.SafeLoader(text)
     except yaml.YAMLError as e:  # a character YAML does not allow
         return failed(f"invalid YAML: {e}")
+    lines: dict[str, int] = {}
+    twice: list[ConfigIssue] = []
     try:
         node = loader.get_single_node()
+        if node is not None:  # before constructing: merge keys (`<<`) rewrite the node in place
+            lines[""] = node.start_mark.line + 1
+            _key_lines(node, "", lines, twice, source)
         data = None if node is None else loader.construct_document(node)
     except yaml.MarkedYAMLError as e:
         mark = e.problem_mark or e.context_mark
@@ -195,11 +200,6 @@ def _read_yaml(path: str | os.PathLike[str], note: str = "") -> list[_Layer]:
         return failed("invalid YAML: nested too deeply")
     finally:
         loader.dispose()
-    lines: dict[str, int] = {}
-    twice: list[ConfigIssue] = []
-    if node is not None:
-        lines[""] = node.start_mark.line + 1
-        _key_lines(node, "", lines, twice, source)
     return [_Layer(data, source, lines)] + [_Layer(issue) for issue in twice]
 
 
@@ -214,7 +214,7 @@ def _key_lines(
         return
     seen: dict[str, int] = {}
     for key, value in node.value:
-        if isinstance(key, yaml.ScalarNode):
+        if isinstance(key, yaml.ScalarNode) and key.tag != "tag:yaml.org,2002:merge":
             dotted, line = prefix + key.value, key.start_mark.line + 1
             if key.value in seen:
                 reason = f"is given twice (lines {seen[key.value]} and {line}); keep one"
@@ -235,7 +235,7 @@ def _resolve(layers: list[_Layer]) -> tuple[Config | None, list[ConfigIssue]]:
             _merge(Config, layer.data, merged, origins, layer, issues)
     _check(Config, merged, origins, issues)
     config = None if issues else _build(Config, merged)
-    if config is not None:
+    if config is not None and config.enabled:  # the kill switch must not fail on files it never opens
         issues += _file_issues(config, origins)
     issues.sort(key=lambda issue: issue.line or 0)  # stable: a file's issues in line order
     return (None, issues) if issues else (config, [])

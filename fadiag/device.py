@@ -208,7 +208,11 @@ class NativeTimer:
         return _allocator_stats(self._module, device) if self._module is not None else None
 
     def current_device(self) -> int | None:
-        return int(self._module.current_device()) if self._module is not None else None
+        if self._module is None:
+            return None
+        if self._module is torch.cuda and hasattr(torch._C, "_cuda_getDevice"):
+            return int(torch._C._cuda_getDevice())
+        return int(self._module.current_device())
 
     def pool_size(self) -> int:
         return int(self._marks.events_created() if self.kind == "cuda" else self._marks.slots())

@@ -44,6 +44,7 @@ _get_edge = torch.autograd.graph.get_gradient_edge
 _hooks_enabled = torch._C._autograd._saved_tensors_hooks_is_enabled  # type: ignore[attr-defined]
 _queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 _KEY_GRAD = 6  # where a call's signature key holds whether grad was enabled
+_UNREAD = object()
 _UNSEEN_STEPS = 3  # optimizer steps without a C++ backward hook firing before Python's take over
 log = logging.getLogger("fadiag")
 
@@ -157,6 +158,7 @@ class Recorder:
         self.other_device = 0
         """Calls on an accelerator that is not the thread's current device (several devices in
         one process): marks go on the current device's stream, so these are not measured."""
+        self._current_devices: dict[str, Any] = {}  # device kind -> current index, this step
         self.signatures: dict[Any, Signature] = {}
         self.backward_seen = False
         self.in_backward = 0
@@ -269,7 +271,7 @@ class Recorder:
                 extra = (info.causal, info.dropout > 0.0, mask_key(info.mask))
             dev = q.device
             timer = self.devices.timer(dev.type)
-            if dev.index is not None and dev.type != "cpu" and dev.index != timer.current_device():
+            if dev.index is not None and timer.kind == dev.type and dev.index != self._current(timer):
                 self.other_device += 1
                 return None
             key = (op.name, q.shape, k.shape, v.shape, q.dtype, dev, grad, q.requires_grad,
@@ -292,6 +294,13 @@ class Recorder:
             if calls and calls[-1].fwd0 is None:  # appended, and its start mark failed
                 calls.pop()
             return None
+
+    def _current(self, timer: Any) -> int | None:
+        """The thread's current device for `timer`'s kind, read once a step (a Python call)."""
+        current = self._current_devices.get(timer.kind, _UNREAD)
+        if current is _UNREAD:
+            current = self._current_devices[timer.kind] = timer.current_device()
+        return current  # type: ignore[no-any-return]
 
     def _remember(self, op: AttentionOp, args: tuple[Any, ...], kwargs: dict[str, Any],
                   sig: Signature) -> None:
@@ -400,7 +409,7 @@ class Recorder:
         # Run by the autograd engine inside the user's backward(): nothing may escape them.
         def on_backward_start(grad_outputs: Any) -> None:
             try:
-                if call.bwd0 is None:
+                if call.bwd0 is None and call.remaining > 0:  # 0: done, or closed at a pass end
                     rec.backward_seen = True
                     rec.in_backward += 1
                     if probe:
@@ -426,6 +435,8 @@ class Recorder:
 
         def on_backward_end(*_: Any) -> None:
             try:
+                if call.remaining <= 0:
+                    return
                 call.remaining -= 1
                 if call.remaining == 0:
                     rec.in_backward = max(0, rec.in_backward - 1)
@@ -539,6 +550,7 @@ class Recorder:
             self.calls_since_boundary = 0
             self._site_counts.clear()
             self._recompute_counts = {}
+            self._current_devices.clear()
             self.backward_seen = False
             self._check_native_hooks(source)
             self._native_backward_seen()

@@ -42,7 +42,8 @@ class Rules:
         self.baseline = baseline
         self.active: dict[tuple[str, str], Flag] = {}
         self.baseline_seconds: float | None = None
-        """The baseline the last judged step was compared with (its sites, its key)."""
+        """The baseline the last step was compared with (its sites, its key); None for a step
+        without one (a shape still in its warm-up)."""
         self.regression_ratio: float | None = None
         """The last step's attention seconds over that baseline; None for a step without one."""
         self._warm: dict[object, list[float]] = {}
@@ -143,7 +144,7 @@ class Rules:
 
     def _regression(self, report: StepReport, sites: list[SiteSummary]) -> dict[tuple[str, str], Flag]:
         cfg = self.cfg.regression
-        self.regression_ratio = None
+        self.regression_ratio = self.baseline_seconds = None
         observed = report.attention_seconds
         expected: float | None = None
         spread = 0.0

@@ -53,7 +53,7 @@ def test_every_alert_the_issue_names_is_shipped():
 def test_regression_alert_has_a_baseline_form_and_a_trailing_window_form():
     exprs = [r["expr"] for r in alert_rules() if r["alert"] == "FadiagAttentionRegression"]
     assert any(e.startswith("fadiag:attention_regression_ratio:median5m") for e in exprs)
-    assert any("[1h] offset 15m" in e and "unless on(job, instance, rank) fadiag_attention_baseline_seconds" in e
+    assert any("[1h] offset 15m" in e and "unless on(job, instance, rank) last_over_time(fadiag_attention_baseline_seconds[1h])" in e
                for e in exprs)
 
 

@@ -694,3 +694,27 @@ def test_issues_are_empty_exactly_when_the_document_loads(document):
         assert issues
     else:
         assert issues == []
+
+
+def test_a_disabled_configuration_does_not_read_the_files_it_names():
+    # The kill switch must work whatever else the file says.
+    cfg = load_config({"enabled": False, "rules": {"regression": {"baseline_file": "/nonexistent.json"}}},
+                      environ=NO_ENV)
+    assert not cfg.enabled
+
+
+def test_yaml_merge_keys_are_not_keys_given_twice(tmp_path):
+    path = write(tmp_path, "x-port: &p {port: 9464, per_site: true}\n"
+                           "exporter:\n  <<: *p\n  port: 9500\n")
+    issues = config_issues(path, environ=NO_ENV)
+    assert [i.key for i in issues] == ["x-port"]  # unknown top-level key, and nothing else
+    path = write(tmp_path, "exporter:\n  <<: {port: 9464, per_site: true}\n  port: 9500\n", "b.yaml")
+    assert load_config(path, environ=NO_ENV).exporter.port == 9500
+
+
+@pytest.mark.parametrize("content", ['{"version": 1, "entries": {}, "steps": null}',
+                                     '{"version": 1, "entries": {"k": {"forward_seconds": "a", "backward_seconds": 1}}}'])
+def test_a_malformed_baseline_is_a_config_issue_not_a_traceback(tmp_path, content):
+    baseline = write(tmp_path, content, "b.json")
+    (issue,) = config_issues({"rules": {"regression": {"baseline_file": str(baseline)}}}, environ=NO_ENV)
+    assert issue.key == "rules.regression.baseline_file"

@@ -165,3 +165,10 @@ def test_verbose_may_follow_the_subcommand(tmp_path: Path) -> None:
     log = tmp_path / "fadiag-rank0.jsonl"
     JsonlSink(tmp_path, rank=0, meta={}).close()
     assert main(["report", str(log), "-v"]) == main(["-v", "report", str(log)]) == 1
+
+
+def test_verbose_may_follow_a_nested_verb(tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["baseline", "show", str(tmp_path / "nope.json"), "-v"])
+    assert exc.value.code == 2
+    assert "no such file" in capsys.readouterr().err  # -v was taken; the path is what is wrong

@@ -482,3 +482,45 @@ def test_reentrant_checkpointing_learns_each_signature_once(monkeypatch):
     assert s.flush(10)
     assert s.last_step().step == 4
     assert len(learned) <= 2  # the forward's signature and the recomputation's
+
+
+def test_a_partial_backward_then_a_full_one_on_the_retained_graph():
+    # A gradient penalty: grad for one input with retain_graph, then the full backward. The call
+    # closed at the first pass's end stays closed; nothing is left open for the step.
+    s = attach(**{"native": "off"})
+    x = torch.randn(1, 2, 32, 8, requires_grad=True)
+    wq, wk, wv = (torch.randn(8, 8, requires_grad=True) for _ in range(3))
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(x @ wq, x @ wk, x @ wv)
+    torch.autograd.grad(out.sum(), wq, retain_graph=True)
+    out.sum().backward()
+    assert s.recorder.in_backward == 0 and wk.grad is not None
+    fadiag.step()
+    t0 = time.monotonic()
+    assert s.flush(10)
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_a_host_clock_timer_measures_calls_on_any_device():
+    # device: cpu times every call with the host clock, whatever the tensors' device: there is no
+    # current device to compare with, and no call is counted as other_device.
+    from fadiag.device import CpuTimer
+    from fadiag.ops import OPS
+    from fadiag.recorder import Recorder
+
+    class OnCuda0(torch.Tensor):
+        @property
+        def device(self):  # type: ignore[override]
+            return torch.device("cuda", 0)
+
+    class Devices:
+        native_timers: list = []
+        cpu = CpuTimer()
+
+        def timer(self, kind: str) -> CpuTimer:
+            return self.cpu
+
+    rec = Recorder(Devices(), on_error=lambda where, e: None, on_step=lambda s: None)
+    q = torch.randn(1, 2, 16, 8, requires_grad=True).as_subclass(OnCuda0)
+    sdpa = next(op for op in OPS if op.name == "sdpa")
+    assert rec.begin(sdpa, (q, q, q), {}) is not None and rec.other_device == 0
