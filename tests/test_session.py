@@ -414,18 +414,36 @@ def test_torchscript_still_scripts_code_that_calls_sdpa():
     assert id(wrapper) not in _builtins._get_builtin_table()  # gone with the wrapper
 
 
+class _OnCuda0(torch.Tensor):
+    """A CPU tensor that says it is on cuda:0, to drive Recorder.begin's device check."""
+
+    @property
+    def device(self):  # type: ignore[override]
+        return torch.device("cuda", 0)
+
+
+def _begin_on_cuda0(timer):
+    """Recorder.begin for an SDPA call on "cuda:0" with `timer` as every device's timer."""
+    from fadiag.ops import OPS
+    from fadiag.recorder import Recorder
+
+    class Devices:
+        native_timers: list = []
+
+        def timer(self, kind: str):
+            return timer
+
+    errors: list = []
+    rec = Recorder(Devices(), on_error=lambda where, e: errors.append((where, e)), on_step=lambda s: None)
+    q = torch.randn(1, 2, 16, 8, requires_grad=True).as_subclass(_OnCuda0)
+    sdpa = next(op for op in OPS if op.name == "sdpa")
+    return rec, rec.begin(sdpa, (q, q, q), {}), errors
+
+
 def test_calls_on_a_device_that_is_not_current_are_counted_not_mistimed():
     # Several accelerators in one process (a model split across them): marks go on the current
     # device's stream, which would time unrelated work for a call on another device. Such calls
     # are left unmeasured and counted (uninstrumented, reason other_device), never mistimed.
-    from fadiag.ops import OPS
-    from fadiag.recorder import Recorder
-
-    class OnCuda0(torch.Tensor):
-        @property
-        def device(self):  # type: ignore[override]
-            return torch.device("cuda", 0)
-
     class Timer:
         kind = "cuda"
 
@@ -435,35 +453,35 @@ def test_calls_on_a_device_that_is_not_current_are_counted_not_mistimed():
         def mark(self) -> None:
             raise AssertionError("a mark was taken")
 
-    class Devices:
-        native_timers: list = []
+    rec, call, errors = _begin_on_cuda0(Timer())
+    assert call is None and rec.other_device == 1 and rec.calls == [] and errors == []
 
-        def timer(self, kind: str) -> Timer:
-            return Timer()
 
-    errors: list = []
-    rec = Recorder(Devices(), on_error=lambda where, e: errors.append((where, e)), on_step=lambda s: None)
-    q = torch.randn(1, 2, 16, 8, requires_grad=True).as_subclass(OnCuda0)
-    sdpa = next(op for op in OPS if op.name == "sdpa")
-    assert rec.begin(sdpa, (q, q, q), {}) is None
-    assert rec.other_device == 1 and rec.calls == [] and errors == []
+def _math_path_call():
+    """A session with Python hooks and one math-path call whose q, k, v come from three weights."""
+    s = attach(**{"native": "off"})
+    x = torch.randn(1, 2, 32, 8, requires_grad=True)
+    weights = [torch.randn(8, 8, requires_grad=True) for _ in range(3)]
+    with sdpa_kernel(SDPBackend.MATH):
+        out = F.scaled_dot_product_attention(*(x @ w for w in weights))
+    return s, out, weights
+
+
+def _step_resolves_at_once(s) -> None:
+    fadiag.step()
+    t0 = time.monotonic()
+    assert s.flush(10)
+    assert time.monotonic() - t0 < 2.0  # not the 5 s wait for a backward that never ends
 
 
 def test_a_partial_backward_leaves_nothing_open():
     # On the math path the backward ends where q, k and v get their gradients; a backward that
     # asks for q's alone never reaches k's and v's producers. The pass's end closes the call:
     # its backward is not timed, the step resolves at once, and later recomputations are seen.
-    s = attach(**{"native": "off"})
-    x = torch.randn(1, 2, 32, 8, requires_grad=True)
-    wq, wk, wv = (torch.randn(8, 8, requires_grad=True) for _ in range(3))
-    with sdpa_kernel(SDPBackend.MATH):
-        out = F.scaled_dot_product_attention(x @ wq, x @ wk, x @ wv)
+    s, out, (wq, _, _) = _math_path_call()
     (gq,) = torch.autograd.grad(out.sum(), wq)
     assert gq is not None and s.recorder.in_backward == 0
-    fadiag.step()
-    t0 = time.monotonic()
-    assert s.flush(10)
-    assert time.monotonic() - t0 < 2.0  # not the 5 s wait for a backward that never ends
+    _step_resolves_at_once(s)
     [call] = s.last_step().calls
     assert call.forward_seconds > 0 and call.backward_seconds == 0.0
 
@@ -487,40 +505,17 @@ def test_reentrant_checkpointing_learns_each_signature_once(monkeypatch):
 def test_a_partial_backward_then_a_full_one_on_the_retained_graph():
     # A gradient penalty: grad for one input with retain_graph, then the full backward. The call
     # closed at the first pass's end stays closed; nothing is left open for the step.
-    s = attach(**{"native": "off"})
-    x = torch.randn(1, 2, 32, 8, requires_grad=True)
-    wq, wk, wv = (torch.randn(8, 8, requires_grad=True) for _ in range(3))
-    with sdpa_kernel(SDPBackend.MATH):
-        out = F.scaled_dot_product_attention(x @ wq, x @ wk, x @ wv)
+    s, out, (wq, wk, _) = _math_path_call()
     torch.autograd.grad(out.sum(), wq, retain_graph=True)
     out.sum().backward()
     assert s.recorder.in_backward == 0 and wk.grad is not None
-    fadiag.step()
-    t0 = time.monotonic()
-    assert s.flush(10)
-    assert time.monotonic() - t0 < 2.0
+    _step_resolves_at_once(s)
 
 
 def test_a_host_clock_timer_measures_calls_on_any_device():
     # device: cpu times every call with the host clock, whatever the tensors' device: there is no
     # current device to compare with, and no call is counted as other_device.
     from fadiag.device import CpuTimer
-    from fadiag.ops import OPS
-    from fadiag.recorder import Recorder
 
-    class OnCuda0(torch.Tensor):
-        @property
-        def device(self):  # type: ignore[override]
-            return torch.device("cuda", 0)
-
-    class Devices:
-        native_timers: list = []
-        cpu = CpuTimer()
-
-        def timer(self, kind: str) -> CpuTimer:
-            return self.cpu
-
-    rec = Recorder(Devices(), on_error=lambda where, e: None, on_step=lambda s: None)
-    q = torch.randn(1, 2, 16, 8, requires_grad=True).as_subclass(OnCuda0)
-    sdpa = next(op for op in OPS if op.name == "sdpa")
-    assert rec.begin(sdpa, (q, q, q), {}) is not None and rec.other_device == 0
+    rec, call, errors = _begin_on_cuda0(CpuTimer())
+    assert call is not None and rec.other_device == 0 and errors == []
