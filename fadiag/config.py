@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import ipaddress
+import re
 import reprlib
 import sys
 import typing
@@ -50,6 +52,23 @@ def _number(
     if hi is None:
         return Check(f"a number >= {lo:g}", lambda v: _is_number(v) and v >= lo)
     return Check(f"a number {lo:g}..{hi:g}", lambda v: _is_number(v) and lo <= v <= hi)
+
+
+_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+
+
+def _is_host(v: object) -> bool:
+    """An IPv4/IPv6 address or an RFC 1123 host name (whose last label is not all digits, so a
+    mistyped address such as 1.2.3 is not taken for a name)."""
+    if not isinstance(v, str) or not v:
+        return False
+    try:
+        ipaddress.ip_address(v)
+        return True
+    except ValueError:
+        pass
+    labels = v.rstrip(".").split(".")
+    return len(v) <= 253 and all(_LABEL.fullmatch(x) for x in labels) and not labels[-1].isdigit()
 
 
 def _one_of(*choices: str) -> Check:
@@ -223,6 +242,7 @@ class ExporterConfig:
     """exporter: the Prometheus /metrics endpoint."""
 
     _checks: ClassVar[dict[str, Check]] = {
+        "addr": Check("an IP address or a host name", _is_host),
         "port": _integer(0, 65535),
         "on_port_in_use": _one_of("next", "disable", "fail"),
         "max_sites": _integer(1),

@@ -192,7 +192,9 @@ def test_float_keys_accept_integers_and_store_floats():
             "exporter.on_port_in_use must be one of next|disable|fail, got 'retry'",
         ),
         ("exporter.max_sites", 0, "exporter.max_sites must be an integer >= 1, got 0"),
-        ("exporter.addr", "", "exporter.addr must be a non-empty string, got ''"),
+        ("exporter.addr", "", "exporter.addr must be an IP address or a host name, got ''"),
+        ("exporter.addr", "1.2.3", "exporter.addr must be an IP address or a host name, got '1.2.3'"),
+        ("exporter.addr", "my host", "exporter.addr must be an IP address or a host name, got 'my host'"),
         (
             "exporter.enabled",
             "yes",
@@ -303,6 +305,8 @@ def test_bad_value_is_rejected_naming_its_dotted_key(key, value, message):
         ("jsonl.backups", 0),
         ("log.flag_interval_seconds", 0),
         ("rules.regression.baseline_file", None),
+        ("exporter.addr", "::"),
+        ("exporter.addr", "node-3.cluster.local"),
     ],
 )
 def test_boundary_value_is_accepted(key, value):
