@@ -1,13 +1,17 @@
 """The memory model: what standard attention keeps for backward, and what flash-style kernels keep.
 
 One documented formula, used by the recorder for `standard_bytes`, by `fadiag estimate`, and
-validated against the real math backend by `fadiag bench`.
+compared with the real math backend by `fadiag bench` (no dropout, query heads = key heads: the
+bench varies neither; with dropout or GQA the math path keeps more than this model, e.g. a
+dropout mask in fp32 on CPU and an expanded v).
 """
 
 from __future__ import annotations
 
 LSE_BYTES = 4
-"""logsumexp is kept in fp32 by every flash-style kernel (CUDA, CPU, NPU softmax stats)."""
+"""logsumexp is kept in fp32 by the CUDA and CPU flash-style kernels. Ascend's
+npu_fusion_attention keeps softmax_max and softmax_sum instead, each fp32 [B, N, Sq, 8]: 64 bytes
+a query row, which `flash_kept_bytes` does not model (the recorder measures what is really kept)."""
 
 
 def standard_bytes(
