@@ -32,3 +32,10 @@ __all__ = [
     "load_config",
     "step",
 ]
+
+# `fadiag run` found this package half imported when torch finished importing (the program
+# imports fadiag before torch): it left its attach here, to run now that the package is whole.
+_attach_when_imported = globals().pop("_attach_when_imported", None)
+if _attach_when_imported is not None:
+    _attach_when_imported()
+del _attach_when_imported

@@ -26,6 +26,9 @@ class FakeSession:
     def history(self) -> list[StepReport]:
         return list(self.steps)
 
+    def flush(self, timeout: float) -> bool:
+        return True
+
 
 def _report(n: int, flags: tuple[str, ...] = ()) -> StepReport:
     return StepReport(step=n, forward_seconds=0.002, backward_seconds=0.005, kept_bytes=100,
@@ -39,6 +42,10 @@ def fake_fadiag(monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     state: dict[str, Any] = {"session": None, "attached": 0, "detached": 0}
 
     def attach(config: Any = None, **overrides: Any) -> FakeSession:
+        # As fadiag.attach: the session already attached, if any (its settings then ignored).
+        if state["session"] is not None:
+            state["ignored"] = overrides
+            return state["session"]
         state["attached"] += 1
         state["overrides"] = overrides
         state["session"] = FakeSession()
@@ -74,8 +81,10 @@ def test_a_run_that_attached_detaches_at_the_end(fake_fadiag: dict[str, Any]) ->
 
 def test_a_run_leaves_a_session_it_did_not_attach(fake_fadiag: dict[str, Any]) -> None:
     fake_fadiag["session"] = existing = FakeSession()
-    run = TrainingRun()
+    run = TrainingRun(overrides={"port": 0})
     assert run.start() is existing
+    # through attach(), which warns that this run's settings are ignored
+    assert fake_fadiag["ignored"] == {"port": 0}
     run.stop()
     assert fake_fadiag["attached"] == 0 and fake_fadiag["detached"] == 0
 
@@ -130,7 +139,11 @@ def test_hf_callback_attaches_logs_figures_and_detaches(monkeypatch: pytest.Monk
     cb.on_log(None, state, None, logs=logs)
     assert logs["fadiag/flags/backward_forward_ratio"] == 1.0
     assert state.log_history[-1]["fadiag/forward_ms"] == pytest.approx(2.0)
+    # a step resolved after the last log reaches the history at the end of training
+    fake_fadiag["session"].steps.append(_report(2))
+    state.global_step = 2
     cb.on_train_end(None, state, None)
+    assert state.log_history[-1]["step"] == 2 and state.log_history[-1]["fadiag/step"] == 2.0
     assert fake_fadiag["detached"] == 1
 
 

@@ -53,6 +53,9 @@ TORCH = "/venv/lib/python3.11/site-packages/torch"
     ([PY, "-m", "torch.distributed.launch", "train.py"], ON, False),
     ([PY, "/venv/bin/accelerate", "launch", "train.py"], ON, False),
     ([PY, "/venv/bin/deepspeed", "train.py"], ON, False),
+    # a cluster wrapper that exports LOCAL_RANK does not make the launcher a trainer
+    ([PY, "/venv/bin/torchrun", "--nproc-per-node", "2", "train.py"], WORKER, False),
+    ([PY, "-m", "torch.distributed.run", "train.py"], WORKER, False),
     ([PY, "-c", SPAWN, "--multiprocessing-fork"], WORKER, False),
     ([PY, f"{TORCH}/_inductor/compile_worker/__main__.py", "--workers=2"], WORKER, False),
     ([PY, "-m", "torch.utils.collect_env"], ON, False),
@@ -304,6 +307,22 @@ def test_run_attaches_to_an_unmodified_script_and_returns_its_exit_status(tmp_pa
         stop.touch()
         status = launched.finish()
     assert status == 3
+
+
+def test_run_attaches_to_a_script_that_imports_fadiag_before_torch(tmp_path: Path) -> None:
+    # fadiag's own __init__ imports torch: the hook finds fadiag half imported and attaches once
+    # it is whole, so the script's own fadiag.step() and the metrics are the launched session's.
+    script = tmp_path / "train.py"
+    script.write_text("import fadiag\n" + SCRIPT)
+    stop = tmp_path / "stop"
+    launched = Launched(["run", "--port", "0", "--", sys.executable, str(script), str(stop), "0"])
+    try:
+        urls = launched.urls(1)
+        assert steps_total(urls[0])["0"] >= 1
+    finally:
+        stop.touch()
+        status = launched.finish()
+    assert status == 0
 
 
 def test_run_under_torchrun_serves_one_endpoint_per_rank(tmp_path: Path) -> None:

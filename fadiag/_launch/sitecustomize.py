@@ -9,10 +9,14 @@ Which processes attach (FADIAG_AUTOATTACH=1 must be set; `fadiag run` sets it):
 
 1. never a multiprocessing child (DataLoader workers, spawn/forkserver pools): they do not train;
 2. never torch's own helper processes (inductor compile workers, `python -m torch.*` tools);
-3. always a process with LOCAL_RANK set: a worker started by torchrun, accelerate, deepspeed;
-4. never a launcher with LOCAL_RANK unset: torchrun / `python -m torch.distributed.run` /
-   `torch.distributed.launch`, `accelerate`, `deepspeed` — they import torch but do not train;
-5. any other process that imports torch.
+3. never a launcher: torchrun / `python -m torch.distributed.run` / `torch.distributed.launch`,
+   `accelerate`, `deepspeed` — they import torch but do not train (even where the environment
+   already holds a LOCAL_RANK, as some cluster wrappers export);
+4. any other process that imports torch: a worker started by a launcher (LOCAL_RANK set), or a
+   single training process.
+
+Processes started by `torch.multiprocessing.spawn` are multiprocessing children too and do not
+attach: call `fadiag.attach()` in the function they run.
 
 An error while attaching is written once to stderr and the program carries on without fadiag.
 """
@@ -75,12 +79,12 @@ def should_attach(orig_argv: Sequence[str], environ: Mapping[str, str]) -> tuple
         return False, f"torch helper module {name}"
     if kind == "script" and _inside_torch(name):
         return False, f"torch helper script {name}"
-    if "LOCAL_RANK" in environ:
-        return True, f"LOCAL_RANK={environ['LOCAL_RANK']}"
     if kind == "module" and name in LAUNCHER_MODULES:
         return False, f"launcher {name}"
     if kind == "script" and os.path.basename(name) in LAUNCHER_SCRIPTS:
         return False, f"launcher {os.path.basename(name)}"
+    if "LOCAL_RANK" in environ:
+        return True, f"LOCAL_RANK={environ['LOCAL_RANK']}"
     return True, "training process"
 
 
@@ -105,6 +109,12 @@ def overrides(environ: Mapping[str, str]) -> dict[str, Any]:
 
 def attach() -> None:
     """attach(), tell `fadiag run` where the metrics are, detach at exit; never raise."""
+    pending = sys.modules.get("fadiag")
+    if pending is not None and not hasattr(pending, "attach"):
+        # The program imported fadiag first, and torch is being imported by fadiag's own
+        # __init__: attach once fadiag has finished importing (its __init__ calls this back).
+        pending._attach_when_imported = attach  # type: ignore[attr-defined]
+        return
     try:
         import atexit
 

@@ -38,13 +38,20 @@ class TrainingRun:
         """The session: the one already attached, or a new one this run owns."""
         if self.session is not None:
             return self.session
-        current = fadiag.current_session()
-        if current is None:
-            self.session = fadiag.attach(self._config, **self._overrides)
-            self.owned = True
-        else:
-            self.session = current
+        owned = fadiag.current_session() is None
+        # Already attached (`fadiag run`, or the script): attach() returns that session, and
+        # warns when this run's own settings are then ignored.
+        self.session = fadiag.attach(self._config, **self._overrides)
+        self.owned = owned
         return self.session
+
+    def finish(self) -> dict[str, float]:
+        """The figures of the steps resolved since the last log, once the last step has been
+        resolved (a bounded wait, at the end of training)."""
+        if self.session is None:
+            return {}
+        self.session.flush(5)
+        return self.metrics()
 
     def stop(self) -> None:
         if self.owned:

@@ -5,15 +5,19 @@
 
 Training begins: attach (unless fadiag is attached already). Each log: fadiag's figures for the
 newest resolved step and the flags raised since the previous log go into ``logs`` (callbacks
-after this one, and ``state.log_history``, see them). Training ends: detach, only if this
-callback attached. Steps are delimited by fadiag's optimizer hook, so nothing happens per step.
+after this one, and ``state.log_history``, see them); they trail the Trainer by the steps still
+being resolved on fadiag's thread. Training ends: the last steps' figures are appended to
+``state.log_history``, then detach, only if this callback attached. Steps are delimited by fadiag's optimizer hook, so nothing happens per step.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from . import TrainingRun, built_on_first_use
+
+log = logging.getLogger("fadiag")
 
 
 def _build() -> type:
@@ -44,6 +48,15 @@ def _build() -> type:
                 history[-1].update(figures)
 
         def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            # Figures trail the Trainer by the steps still resolving; the last ones go into the
+            # log history here, as a final entry of their own.
+            try:
+                figures = self.run.finish()
+                history = getattr(state, "log_history", None)
+                if figures and history is not None:
+                    history.append({"step": getattr(state, "global_step", None), **figures})
+            except Exception as e:  # the end of a training run must not fail because of fadiag
+                log.warning("fadiag: could not log the last steps' figures (%r)", e)
             self.run.stop()
 
     return FadiagCallback
