@@ -277,6 +277,13 @@ class Server:
             raise FadiagError(msg + "; set exporter.port or exporter.on_port_in_use")
         log.warning("%s; continuing without the exporter (exporter.on_port_in_use=%s)", msg, policy)
 
+    def forget_in_child(self) -> None:
+        """In a forked child: let go of the inherited socket. No serving thread was copied, so
+        shutdown() would wait for ever; the parent's server is untouched."""
+        if self._server is not None:
+            self._server.socket.close()
+            self._server = self._thread = None
+
     def close(self) -> None:
         if self._server is not None:
             self._server.shutdown()

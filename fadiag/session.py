@@ -371,6 +371,25 @@ def current_session() -> Session | None:
     return _session
 
 
+def _after_fork_in_child() -> None:
+    """A forked child (a DataLoader worker, a fork pool) inherits the session but not its threads:
+    its attention calls pass through unmeasured, and it lets go of the metrics socket, so the
+    port stays the parent's alone and a detach() in the child returns at once."""
+    s = _session
+    if s is None or isinstance(s, _DisabledSession):
+        return
+    try:
+        s.recorder.enabled = s.recorder.measuring = False
+        s.recorder.calls = []
+        if s._server is not None:
+            s._server.forget_in_child()
+    except Exception as e:
+        s._error("fork", e)
+
+
+os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
 def step() -> None:
     """Mark a step boundary by hand (for loops without a torch optimizer, or to split steps)."""
     s = _session

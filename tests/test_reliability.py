@@ -313,3 +313,36 @@ def test_a_probed_call_without_backward_frees_its_graph():
     del out, x
     gc.collect()
     assert ref() is None
+
+
+def test_a_forked_child_passes_attention_through_and_leaves_the_port():
+    # DataLoader workers (fork): the child inherits the session without its threads. Its calls
+    # pass through unmeasured, the metrics socket is no longer its own, and detach() there
+    # returns at once (a server shutdown would wait for a serving thread that was not copied).
+    s = fadiag.attach(port=0)
+    q = torch.randn(1, 2, 16, 8)
+    pid = os.fork()
+    if pid == 0:  # the child: report through the exit status only
+        ok = False
+        try:
+            child = fadiag.current_session()
+            out = F.scaled_dot_product_attention(q, q, q)
+            ok = (not child.recorder.enabled and child.recorder.calls == []
+                  and child._server._server is None and out.shape == q.shape)
+            fadiag.detach()
+        finally:
+            os._exit(0 if ok else 1)
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if not done:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done and os.waitstatus_to_exitcode(status) == 0
+    # the parent still serves and measures
+    with urllib.request.urlopen(f"http://127.0.0.1:{s.port}/metrics", timeout=5) as r:
+        assert b"fadiag_build_info" in r.read()
+    assert s.recorder.enabled
