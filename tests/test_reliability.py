@@ -325,6 +325,9 @@ def test_a_forked_child_passes_attention_through_and_leaves_the_port():
     if pid == 0:  # the child: report through the exit status only
         ok = False
         try:
+            # As DataLoader's worker loop does: OpenMP's pool does not survive fork, and a
+            # parallel op in the child would wait for threads that were not copied.
+            torch.set_num_threads(1)
             child = fadiag.current_session()
             out = F.scaled_dot_product_attention(q, q, q)
             ok = (not child.recorder.enabled and child.recorder.calls == []
