@@ -93,10 +93,7 @@ class EventTimer:
         self._free: deque[Any] = deque()
         self._created = 0
         self._record = _fast_cuda_record() if kind == "cuda" else None
-        # Read on every call that takes Python's path: torch.cuda.current_device() is a Python
-        # function around the C one.
-        current = getattr(torch._C, "_cuda_getDevice", None) if kind == "cuda" else None
-        self._current: Callable[[], int] = current if current is not None else module.current_device
+        self.current_device = _current_device_reader(module)
         self.name = _device_name(module, kind)
 
     def mark(self) -> Any:
@@ -131,10 +128,6 @@ class EventTimer:
     def memory_stats(self, device: int | None = None) -> dict[str, int] | None:
         return _allocator_stats(self._module, device)
 
-    def current_device(self) -> int | None:
-        """This thread's current device; the resolver thread's is not the training thread's."""
-        return int(self._current())
-
     def pool_size(self) -> int:
         return self._created
 
@@ -165,6 +158,7 @@ class NativeTimer:
         self._module = module
         self._marks = extension.Marks(kind == "cuda")
         self._fast_begin = getattr(extension, "FastBegin", None)  # None before Python 3.11
+        self.current_device = _current_device_reader(module)
         self._errors_seen = 0
         self.backward_starts_seen = 0
         self.name = _device_name(module, kind) if module is not None else "cpu"
@@ -207,13 +201,6 @@ class NativeTimer:
     def memory_stats(self, device: int | None = None) -> dict[str, int] | None:
         return _allocator_stats(self._module, device) if self._module is not None else None
 
-    def current_device(self) -> int | None:
-        if self._module is None:
-            return None
-        if self._module is torch.cuda and hasattr(torch._C, "_cuda_getDevice"):
-            return int(torch._C._cuda_getDevice())
-        return int(self._module.current_device())
-
     def pool_size(self) -> int:
         return int(self._marks.events_created() if self.kind == "cuda" else self._marks.slots())
 
@@ -227,6 +214,17 @@ def _device_name(module: Any, kind: str) -> str:
         return str(module.get_device_name())
     except Exception:
         return kind
+
+
+def _current_device_reader(module: Any) -> Callable[[], int | None]:
+    """This thread's current device index for a timer on `module` (None for the host clock): the
+    resolver thread's is not the training thread's. On CUDA the C call itself, not
+    torch.cuda.current_device(), a Python function around it."""
+    if module is None:
+        return lambda: None
+    if module is torch.cuda and hasattr(torch._C, "_cuda_getDevice"):
+        return torch._C._cuda_getDevice  # type: ignore[no-any-return]
+    return module.current_device  # type: ignore[no-any-return]
 
 
 def _allocator_stats(module: Any, device: int | None = None) -> dict[str, int]:

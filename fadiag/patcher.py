@@ -11,6 +11,7 @@ import sys
 from typing import Any
 
 _SKIP_MODULE_PREFIXES = ("torch.", "fadiag.", "_pytest", "numpy.")
+_ABSENT = object()  # a replaced item whose key was not there before
 
 
 class Patcher:
@@ -19,7 +20,6 @@ class Patcher:
     def __init__(self) -> None:
         self._patches: list[tuple[Any, str, Any, bool]] = []
         self._items: list[tuple[Any, Any, Any]] = []
-        self._builtins: list[tuple[dict[int, Any], int]] = []
 
     def replace(self, owner: Any, attr: str, new: Any) -> Any:
         """Set owner.attr = new; returns the original. Class attributes keep their own/inherited state."""
@@ -30,8 +30,8 @@ class Patcher:
         return original
 
     def replace_item(self, mapping: Any, key: Any, new: Any) -> None:
-        """mapping[key] = new, restored on restore()."""
-        self._items.append((mapping, key, mapping[key]))
+        """mapping[key] = new, restored on restore() (removed again if it was absent)."""
+        self._items.append((mapping, key, mapping.get(key, _ABSENT)))
         mapping[key] = new
 
     def alias_builtin(self, original: Any, new: Any) -> None:
@@ -48,8 +48,8 @@ class Patcher:
             return
         op = table.get(id(original))
         if op is not None:
-            table[id(new)] = op
-            self._builtins.append((table, id(new)))
+            # restore() removes it before the wrappers can be freed and their ids reused.
+            self.replace_item(table, id(new), op)
 
     def rebind_everywhere(self, original: Any, new: Any) -> int:
         """Point every module global that *is* `original` at `new`; returns how many."""
@@ -70,12 +70,12 @@ class Patcher:
 
     def restore(self) -> None:
         """Undo every replacement, newest first."""
-        while self._builtins:  # before the wrappers can be freed and their ids reused
-            table, key = self._builtins.pop()
-            table.pop(key, None)
         while self._items:
             mapping, key, original = self._items.pop()
-            mapping[key] = original
+            if original is _ABSENT:
+                mapping.pop(key, None)
+            else:
+                mapping[key] = original
         while self._patches:
             owner, attr, original, own = self._patches.pop()
             if own:

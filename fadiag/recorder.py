@@ -117,18 +117,14 @@ class ClosedStep:
 
     __slots__ = ("index", "calls", "wall_time", "closed", "device")
 
-    def __init__(self, index: int, calls: list[Call]):
+    def __init__(self, index: int, calls: list[Call], device: int | None):
         self.index = index
         self.calls = calls
         self.wall_time = time.time()
         self.closed = time.monotonic()
-        # The training thread's current device, for the step's allocator figures: the resolver
-        # thread's own current device is device 0 (CUDA's current device is per thread).
-        timer = next((c.timer for c in calls if c.timer.kind != "cpu"), None)
-        try:
-            self.device = None if timer is None else timer.current_device()
-        except Exception:  # the resolver then reads the current device's, as it would anyway
-            self.device = None
+        self.device = device
+        """The training thread's current device, for the step's allocator figures: the resolver
+        thread's own current device is device 0 (CUDA's current device is per thread)."""
 
 
 class Recorder:
@@ -163,15 +159,15 @@ class Recorder:
         self.backward_seen = False
         self.in_backward = 0
         self.compiled_autograd_configured = False
+        """dynamo's compiled_autograd config flag: a slow read, so read at start and then at a step
+        boundary at most every _CONFIG_EVERY_S, never per call (and on the training thread:
+        dynamo's config is per thread)."""
+        self._config_read_at = 0.0
         self.python_hooks = False
         """Set once the C++ backward hooks were seen not to fire (see boundary): Python's from then on."""
         self._native_hooked = 0  # calls of the open step whose backward the C++ hooks time
         self._native_starts = 0  # the native timers' backward starts when the step opened
         self._unseen_steps = 0
-        """dynamo's compiled_autograd config flag: a slow read, so read at start and then at a step
-        boundary at most every _CONFIG_EVERY_S, never per call (and on the training thread:
-        dynamo's config is per thread)."""
-        self._config_read_at = 0.0
         self.optimizer_seen = False
         self.fallback_mode = False
         self._phases: list[list[Call]] = []
@@ -301,6 +297,14 @@ class Recorder:
         if current is _UNREAD:
             current = self._current_devices[timer.kind] = timer.current_device()
         return current  # type: ignore[no-any-return]
+
+    def _step_device(self) -> int | None:
+        """The current device of the step's accelerator, as this step's calls saw it."""
+        timer = next((c.timer for c in self.calls if c.timer.kind != "cpu"), None)
+        try:
+            return None if timer is None else self._current(timer)
+        except Exception:  # the resolver then reads the current device's, as it would anyway
+            return None
 
     def _remember(self, op: AttentionOp, args: tuple[Any, ...], kwargs: dict[str, Any],
                   sig: Signature) -> None:
@@ -545,7 +549,9 @@ class Recorder:
                 self._phases = []
             if not self.calls_since_boundary and not self.calls:
                 return
-            closed = ClosedStep(self.step_index, self.calls) if self.calls else None
+            closed = None
+            if self.calls:
+                closed = ClosedStep(self.step_index, self.calls, self._step_device())
             self.calls = []
             self.calls_since_boundary = 0
             self._site_counts.clear()

@@ -156,9 +156,12 @@ class Resolver:
 
     def _try_resolve(self, step: ClosedStep) -> bool:
         """Report `step` if the device has passed every mark it needs; False to look again."""
-        calls = [c for c in step.calls if not (c.aborted or c.sig is None)]
-        if len(calls) < len(step.calls):  # calls that raised or were never learned: not timed
-            self._release([c for c in step.calls if c.aborted or c.sig is None])
+        calls: list[Call] = []
+        untimed: list[Call] = []  # calls that raised or were never learned
+        for c in step.calls:
+            (untimed if c.aborted or c.sig is None else calls).append(c)
+        if untimed:
+            self._release(untimed)
         by_timer: dict[Any, list[Call]] = {}
         for c in calls:
             by_timer.setdefault(c.timer, []).append(c)
@@ -265,4 +268,3 @@ def _seconds(x: float) -> float:
     if x != x or x < 0.0 or x == float("inf"):
         return 0.0
     return x
-

@@ -379,7 +379,7 @@ def _after_fork_in_child() -> None:
     if s is None or isinstance(s, _DisabledSession):
         return
     try:
-        s.recorder.enabled = s.recorder.measuring = False
+        s.recorder.stop()
         s.recorder.calls = []
         if s._server is not None:
             s._server.forget_in_child()

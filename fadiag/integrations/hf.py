@@ -7,7 +7,8 @@ Training begins: attach (unless fadiag is attached already). Each log: fadiag's 
 newest resolved step and the flags raised since the previous log go into ``logs`` (callbacks
 after this one, and ``state.log_history``, see them); they trail the Trainer by the steps still
 being resolved on fadiag's thread. Training ends: the last steps' figures are appended to
-``state.log_history``, then detach, only if this callback attached. Steps are delimited by fadiag's optimizer hook, so nothing happens per step.
+``state.log_history``, then detach, only if this callback attached. Steps are delimited by
+fadiag's optimizer hook, so nothing happens per step.
 """
 
 from __future__ import annotations
