@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from fadiag import bench, cli, memory
+from fadiag import cli, memory
+from fadiag.commands.bench import measure as bench
 
 B, H, D = 1, 4, 32
 SMALL = ["--heads", str(H), "--head-dim", str(D)]

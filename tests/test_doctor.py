@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 import torch
 
-from fadiag import doctor
 from fadiag.cli import main
-from fadiag.doctor import Query, diagnose, format_text
+from fadiag.commands.doctor import checks as doctor
+from fadiag.commands.doctor.checks import Query, diagnose, format_text
 
 
 def test_report_covers_torch_build_devices_sdpa_and_packages() -> None:

@@ -121,7 +121,7 @@ def test_flash_attn_varlen_reads_batch_from_cu_seqlens():
 def test_the_cli_finds_an_ascend_device_through_torch_npu(monkeypatch):
     """`fadiag bench` and `fadiag demo` look for a device the same way: npu when torch_npu imports
     and sees one (importing it registers torch.npu), else cuda, else cpu."""
-    from fadiag import bench
+    from fadiag.commands.bench import measure as bench
     from fadiag.device import available
 
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # not installed: import fails

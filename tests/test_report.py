@@ -12,7 +12,7 @@ import pytest
 from fadiag.cli import main
 from fadiag.jsonl import JsonlSink, read_run
 from fadiag.records import CallRecord, Flag, StepReport
-from fadiag.report import format_summary, summarize, summarize_run, thresholds
+from fadiag.commands.report.summary import format_summary, summarize, summarize_run, thresholds
 
 ROOT = Path(__file__).resolve().parents[1]
 PNGS = ("times", "ratio", "savings", "memory", "flags")

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from . import memory
+from ... import memory
 
 ELEMENT_BYTES = {
     "float32": 4,

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from . import _args
+from .. import _args
 
 
 def add_parser(subparsers: Any) -> None:
@@ -26,8 +26,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..jsonl import read_run
-    from ..report import format_summary, plot_run, run_logs, summarize_run, write_html
+    from ...jsonl import read_run
+    from .summary import format_summary, plot_run, run_logs, summarize_run, write_html
 
     try:
         logs = run_logs(args.run_log)

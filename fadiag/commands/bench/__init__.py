@@ -18,9 +18,9 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
-from .. import bench
-from ..estimate import human_bytes
-from . import _args
+from .. import _args
+from ..estimate.arithmetic import human_bytes
+from . import measure as bench
 
 GPU_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
 CPU_SEQ_LENS = (128, 256, 512, 1024)

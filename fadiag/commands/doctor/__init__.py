@@ -6,7 +6,7 @@ import argparse
 import json
 from typing import Any
 
-from . import _args
+from .. import _args
 
 
 def add_parser(subparsers: Any) -> None:
@@ -36,8 +36,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..device import default_device_type
-    from ..doctor import Query, diagnose, format_text
+    from ...device import default_device_type
+    from .checks import Query, diagnose, format_text
 
     device = default_device_type() if args.device == "auto" else args.device
     dtype = args.dtype

@@ -55,7 +55,7 @@ class Query:
 
 def diagnose(query: Query, build_native: bool = False) -> dict[str, Any]:
     """Everything `fadiag doctor` reports, as plain JSON-able data."""
-    from . import __version__
+    from ... import __version__
 
     devices = _devices()
     return {
@@ -72,7 +72,7 @@ def diagnose(query: Query, build_native: bool = False) -> dict[str, Any]:
 
 def _native(devices: dict[str, Any], build: bool) -> dict[str, Any]:
     """The native marks per device kind: built (cached), and with `build`, built or why not."""
-    from . import native
+    from ... import native
 
     kinds = ["cpu"] + (["cuda"] if devices.get("cuda", {}).get("available") else [])
     out: dict[str, Any] = {"toolchain": native.toolchain()}

@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .config import MemoryRuleConfig, RatioRuleConfig
-from .jsonl import Run
-from .records import Figures, Flag, StepReport
+from ...config import MemoryRuleConfig, RatioRuleConfig
+from ...jsonl import Run
+from ...records import Figures, Flag, StepReport
 
 RULES = ("backward_forward_ratio", "memory_savings", "regression", "hang")
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-from . import _args
+from .. import _args
 
 
 def add_parser(subparsers: Any) -> None:
@@ -36,8 +36,8 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..demo import DemoConfig, run_demo
-    from ..device import available
+    from ...device import available
+    from .training import DemoConfig, run_demo
 
     if not available(args.device):
         args._parser.error(f"argument --device: {args.device} is not available on this machine")

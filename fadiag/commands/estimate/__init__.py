@@ -12,8 +12,8 @@ import sys
 from rich.console import Console
 from rich.table import Table
 
-from ..estimate import ELEMENT_BYTES, Estimate, ModelShape, estimate, human_bytes
-from . import _args
+from .. import _args
+from .arithmetic import ELEMENT_BYTES, Estimate, ModelShape, estimate, human_bytes
 
 
 def add_parser(subparsers: argparse._SubParsersAction) -> None:

@@ -18,10 +18,10 @@ from typing import Any
 
 import torch
 
-from . import __version__, memory
-from .device import available
-from .errors import FadiagError
-from .estimate import human_bytes
+from ... import __version__, memory
+from ...device import available
+from ...errors import FadiagError
+from ..estimate.arithmetic import human_bytes
 
 DEVICE_BACKENDS = {
     "cuda": ("flash", "efficient", "cudnn", "math"),

@@ -23,8 +23,8 @@ from torch import nn
 
 import fadiag
 
-from .records import StepReport
-from .report import format_summary, mib, ms, num, summarize
+from ...records import StepReport
+from ..report.summary import format_summary, mib, ms, num, summarize
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
