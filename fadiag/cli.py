@@ -13,6 +13,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from . import __version__
 
@@ -50,13 +51,57 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
     )
+    stdout = sys.stdout = _WatchedStdout(sys.stdout)
     try:
-        return int(args.func(args) or 0)
+        status = int(args.func(args) or 0)
+        sys.stdout.flush()  # what is still buffered fails here, where it can be reported
+        return status
     except BrokenPipeError:
         # The reader went away (`fadiag report RUN | head`): stop quietly, as a killed pipe
         # writer would, and keep Python from complaining again when it flushes stdout at exit.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        _drop_stdout()
         return 128 + signal.SIGPIPE
+    except OSError as e:
+        if not stdout.failed:
+            raise
+        # stdout itself cannot be written (`> /dev/full`): say so, rather than a traceback or
+        # an error blamed on whatever file the command was writing at the time.
+        _drop_stdout()
+        print(f"fadiag {args.command}: cannot write to standard output: {e.strerror or e}",
+              file=sys.stderr)
+        return 1
+    finally:
+        sys.stdout = stdout.stream
+
+
+class _WatchedStdout:
+    """sys.stdout, remembering whether a write to it failed: a full disk behind stdout is then
+    told apart from one behind a file the command writes."""
+
+    def __init__(self, stream: Any):
+        self.stream = stream
+        self.failed = False
+
+    def write(self, text: str) -> int:
+        try:
+            return int(self.stream.write(text))
+        except OSError:
+            self.failed = True
+            raise
+
+    def flush(self) -> None:
+        try:
+            self.stream.flush()
+        except OSError:
+            self.failed = True
+            raise
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.stream, name)
+
+
+def _drop_stdout() -> None:
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
 
 
 if __name__ == "__main__":

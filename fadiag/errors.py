@@ -16,3 +16,7 @@ class ConfigError(FadiagError, ValueError):
 
 class BaselineError(FadiagError, ValueError):
     """A baseline file cannot be read or does not match its schema."""
+
+
+class RunLogError(FadiagError, ValueError):
+    """A file given as a run log is neither JSON lines nor gzip-compressed JSON lines."""

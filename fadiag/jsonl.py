@@ -1,17 +1,22 @@
 """The JSONL run log: one line per resolved step and per flag, size-rotated; and its reader.
 
 Lines are ``{"type": "run"|"step"|"flag", ...}``. `read_run()` turns a file (or a rank's rotated
-files) back into StepReports and Flags for `fadiag report` and `fadiag baseline save`.
+files) back into StepReports and Flags for `fadiag report` and `fadiag baseline save`; it reads
+gzip-compressed logs too (``.jsonl.gz``, or rotated files compressed as ``.jsonl.1.gz``).
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 import os
+import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
+from .errors import RunLogError
 from .records import Flag, StepReport
 from .sinks import Sink
 
@@ -104,7 +109,11 @@ class Run:
 
 
 def read_run(path: str | os.PathLike[str]) -> Run:
-    """Read a run log, oldest rotated file first; lines that do not parse are counted, not fatal."""
+    """Read a run log, oldest rotated file first; lines that do not parse are counted, not fatal.
+
+    Raises RunLogError for a file that is neither text nor gzip (e.g. a binary file given by
+    mistake), naming the file.
+    """
     path = Path(path)
     files = sorted(path.parent.glob(path.name + ".*"), key=lambda p: -_suffix_num(p))
     files = [f for f in files if _suffix_num(f) > 0] + [path]
@@ -112,27 +121,45 @@ def read_run(path: str | os.PathLike[str]) -> Run:
     for f in files:
         if not f.exists():
             continue
-        with open(f, encoding="utf-8") as fh:
-            for line in fh:
-                line = line.strip()
-                if not line:
-                    continue
-                try:
-                    obj = json.loads(line)
-                    kind = obj.pop("type")
-                    if kind == "run":
-                        run.meta = obj
-                    elif kind == "step":
-                        run.steps.append(StepReport.from_dict(obj))
-                    elif kind == "flag":
-                        run.flags.append(Flag.from_dict(obj))
-                except (ValueError, KeyError, TypeError, AttributeError):
-                    run.bad_lines += 1
+        for line in _lines(f):
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                obj = json.loads(line)
+                kind = obj.pop("type")
+                if kind == "run":
+                    run.meta = obj
+                elif kind == "step":
+                    run.steps.append(StepReport.from_dict(obj))
+                elif kind == "flag":
+                    run.flags.append(Flag.from_dict(obj))
+            except (ValueError, KeyError, TypeError, AttributeError):
+                run.bad_lines += 1
     if not files[-1].exists() and len(files) == 1:
         raise FileNotFoundError(path)
     return run
 
 
+def _lines(path: Path) -> Iterator[str]:
+    """The text lines of a plain or gzip-compressed file (told apart by gzip's magic bytes)."""
+    with open(path, "rb") as raw:
+        compressed = raw.read(2) == b"\x1f\x8b"
+    try:
+        with (gzip.open(path, "rt", encoding="utf-8") if compressed
+              else open(path, encoding="utf-8")) as fh:
+            yield from fh
+    except UnicodeDecodeError as e:
+        what = "its decompressed content is not UTF-8 text" if compressed else "it is not UTF-8 text"
+        raise RunLogError(f"{path} is not a fadiag run log: {what} (byte "
+                          f"{e.object[e.start]:#04x}); expected JSON lines (fadiag-rank<R>.jsonl) "
+                          "or gzip-compressed JSON lines (.jsonl.gz)") from None
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise RunLogError(f"{path} is not a readable gzip file ({e}); expected JSON lines "
+                          "(fadiag-rank<R>.jsonl) or gzip-compressed JSON lines (.jsonl.gz)") from None
+
+
 def _suffix_num(p: Path) -> int:
-    tail = p.name.rsplit(".", 1)[-1]
+    """N of a rotated file ``X.N`` or ``X.N.gz``; 0 for anything else."""
+    tail = p.name.removesuffix(".gz").rsplit(".", 1)[-1]
     return int(tail) if tail.isdigit() else 0

@@ -61,10 +61,19 @@ def test_syntax_error_is_reported_with_its_line(tmp_path, capsys):
     assert capsys.readouterr().err.startswith(f"{path}:3: invalid YAML at column 2: ")
 
 
-def test_missing_file_is_reported_by_its_path(tmp_path, capsys):
+def test_a_missing_file_is_an_argument_error_that_exits_2_naming_it(tmp_path):
     path = tmp_path / "nope.yaml"
-    assert main(["check-config", str(path)]) == 1
-    assert capsys.readouterr().err == f"{path}: configuration file not found\n"
+    result = run_module(str(path))
+    assert result.returncode == 2
+    assert result.stderr.splitlines()[-1] == (
+        f"fadiag check-config: error: argument FILE: no such file: {path}")
+
+
+def test_a_missing_FADIAG_CONFIG_file_is_reported_by_its_path(tmp_path, capsys, monkeypatch):
+    path = tmp_path / "nope.yaml"
+    monkeypatch.setenv("FADIAG_CONFIG", str(path))
+    assert main(["check-config"]) == 1
+    assert capsys.readouterr().err == f"{path}: configuration file not found (named by FADIAG_CONFIG)\n"
 
 
 def test_without_a_file_the_FADIAG_CONFIG_file_is_checked(tmp_path, capsys, monkeypatch):

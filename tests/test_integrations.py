@@ -106,9 +106,10 @@ def test_metrics_report_each_new_step_once_with_flags_by_rule(fake_fadiag: dict[
 
 def _forget_built_class(monkeypatch: pytest.MonkeyPatch, module: types.ModuleType) -> None:
     """Drop the class the module built and cached, now and again after the test, so a class
-    built on a fake framework never outlives the fake."""
-    monkeypatch.setattr(module, "FadiagCallback", None, raising=False)
-    monkeypatch.delattr(module, "FadiagCallback")
+    built on a fake framework never outlives the fake. Through the module's dict: getattr()
+    would call the module's __getattr__, which builds the class on whatever is imported now."""
+    monkeypatch.setitem(vars(module), "FadiagCallback", None)
+    monkeypatch.delitem(vars(module), "FadiagCallback")
 
 
 def _fake_transformers(monkeypatch: pytest.MonkeyPatch) -> type:
@@ -223,3 +224,57 @@ def test_lightning_callback_is_a_real_lightning_callback() -> None:
     from fadiag.integrations.lightning import FadiagCallback
 
     assert issubclass(FadiagCallback, Callback)
+
+
+@pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning")  # Lightning's own use of torch's pytree
+def test_a_lightning_fit_logs_its_last_step_at_the_end(monkeypatch: pytest.MonkeyPatch) -> None:
+    lightning = pytest.importorskip("lightning")
+    from lightning.pytorch.loggers import Logger
+
+    import fadiag.integrations.lightning as lt
+    from fadiag import resolver
+
+    # A fit shorter than the resolver's batching interval: no step resolves while it trains, so
+    # only the wait at the end of training brings the figures to the logger.
+    monkeypatch.setattr(resolver, "_BATCH_S", 60.0)
+    _forget_built_class(monkeypatch, lt)
+
+    class Recorder(Logger):
+        def __init__(self) -> None:
+            super().__init__()
+            self.rows: list[tuple[int | None, dict[str, float]]] = []
+
+        name = "recorder"
+        version = 0
+
+        def log_hyperparams(self, *args: Any, **kwargs: Any) -> None:
+            pass
+
+        def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+            self.rows.append((step, dict(metrics)))
+
+    class Attention(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.qkv = torch.nn.Linear(16, 48)
+
+        def training_step(self, batch: list[torch.Tensor], index: int) -> torch.Tensor:
+            (x,) = batch
+            q, k, v = self.qkv(x).view(x.shape[0], 32, 3, 2, 8).permute(2, 0, 3, 1, 4)
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True).pow(2).mean()
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    data = torch.utils.data.DataLoader(
+        torch.utils.data.TensorDataset(torch.randn(40, 32, 16)), batch_size=2)
+    logger = Recorder()
+    trainer = lightning.Trainer(
+        max_steps=20, logger=logger, callbacks=[lt.FadiagCallback(port=0)], accelerator="cpu",
+        devices=1, log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False)
+    trainer.fit(Attention(), data)
+    assert fadiag.current_session() is None  # the callback attached, so it detached
+    steps = [metrics["fadiag/step"] for _, metrics in logger.rows if "fadiag/step" in metrics]
+    assert steps and steps[-1] == trainer.global_step == 20
+    assert logger.rows[-1][0] == 20

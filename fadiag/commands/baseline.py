@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .. import baseline
-from ..errors import BaselineError
+from ..errors import BaselineError, RunLogError
 from ..jsonl import read_run
 from . import _args
 
@@ -14,10 +14,12 @@ from . import _args
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("baseline", help="save or show a regression baseline",
                        description="Per-site median forward/backward seconds, keyed by site, shape, "
-                                   "dtype, device and impl, for rules.regression.baseline_file.")
+                                   "dtype and device, with the impl that ran, for "
+                                   "rules.regression.baseline_file.")
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
     save = verbs.add_parser("save", help="build a baseline from a run's JSONL log")
-    save.add_argument("run", type=_args.existing_file, help="a fadiag-rank<R>.jsonl file")
+    save.add_argument("run", type=_args.existing_file,
+                      help="a fadiag-rank<R>.jsonl file (or .jsonl.gz)")
     save.add_argument("-o", "--output", type=_args.output_file, required=True,
                       help="baseline file to write (JSON)")
     save.add_argument("--skip", type=_args.integer(0), default=10,
@@ -38,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {args.output}: {len(b.entries)} sites from {b.steps} steps on {device}")
             return 0
         b = baseline.load(args.file)
-    except BaselineError as e:
+    except (BaselineError, RunLogError) as e:
         print(f"fadiag baseline: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # the arguments were checked; a read or write can still fail
@@ -47,5 +49,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"device: {b.device}   steps: {b.steps}")
     for key, entry in sorted(b.entries.items()):
         fwd, bwd = entry["forward_seconds"], entry["backward_seconds"]
-        print(f"{key}  fwd {fwd * 1e3:.3f} ms  bwd {bwd * 1e3:.3f} ms  ratio {bwd / fwd if fwd else 0:.2f}")
+        print(f"{key}  {entry.get('impl', '?')}  fwd {fwd * 1e3:.3f} ms  bwd {bwd * 1e3:.3f} ms  "
+              f"ratio {bwd / fwd if fwd else 0:.2f}")
     return 0

@@ -17,6 +17,7 @@ import yaml
 from .. import config as config_module
 from ..config import Config
 from ..config_loader import ALIASES, config_issues, config_keys, load_config
+from . import _args
 
 
 def add_parser(subparsers: Any) -> None:
@@ -26,10 +27,12 @@ def add_parser(subparsers: Any) -> None:
         description=(
             "Validate FILE (default: the file named by $FADIAG_CONFIG, else the defaults) the way "
             "fadiag.attach(FILE) loads it. Prints the resolved configuration as YAML and exits 0, "
-            "or prints every problem as FILE:LINE: key: message on stderr and exits 1."
+            "or prints every problem as FILE:LINE: key: message on stderr and exits 1. A FILE "
+            "that does not exist exits 2, like every other bad argument."
         ),
     )
-    parser.add_argument("file", nargs="?", metavar="FILE", help="YAML configuration file")
+    parser.add_argument("file", nargs="?", metavar="FILE", type=_args.existing_file,
+                        help="YAML configuration file")
     parser.add_argument(
         "--reference",
         action="store_true",
@@ -42,12 +45,13 @@ def run(args: argparse.Namespace) -> int:
     if args.reference:
         sys.stdout.write(reference_markdown())
         return 0
-    issues = config_issues(args.file)
+    path = None if args.file is None else str(args.file)
+    issues = config_issues(path)
     if issues:
         for issue in issues:
             print(issue, file=sys.stderr)
         return 1
-    resolved = load_config(args.file)
+    resolved = load_config(path)
     sys.stdout.write(yaml.safe_dump(resolved.to_dict(), sort_keys=False))
     return 0
 

@@ -5,15 +5,21 @@ first use so importing fadiag never imports Lightning.
     trainer = L.Trainer(callbacks=[FadiagCallback(port=0)])
 
 Training starts: attach (unless fadiag is attached already). After each batch whose step has
-resolved: ``fadiag/*`` figures go to the LightningModule's loggers. Training ends (or fails):
-detach, only if this callback attached.
+resolved: ``fadiag/*`` figures go to the LightningModule's loggers. They trail the Trainer by the
+steps still being resolved on fadiag's thread, so at the end of training the last steps are
+waited for and their figures go straight to the Trainer's loggers (``self.log`` is not allowed
+there), at the Trainer's last step. Training ends (or fails): detach, only if this callback
+attached.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from . import TrainingRun, built_on_first_use
+
+log = logging.getLogger("fadiag")
 
 
 def _callback_base() -> type:
@@ -51,6 +57,13 @@ def _build() -> type:
                                    logger=True)
 
         def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+            try:
+                figures = self.run.finish()
+                if figures:
+                    for logger in trainer.loggers:
+                        logger.log_metrics(figures, step=trainer.global_step)
+            except Exception as e:  # the end of a training run must not fail because of fadiag
+                log.warning("fadiag: could not log the last steps' figures (%r)", e)
             self.run.stop()
 
         def on_exception(self, trainer: Any, pl_module: Any, exception: BaseException) -> None:

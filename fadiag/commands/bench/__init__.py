@@ -14,11 +14,11 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
 
 from .. import _args
+from .._output import Console
 from ..estimate.arithmetic import human_bytes
 from . import measure as bench
 
@@ -160,6 +160,15 @@ def run(args: argparse.Namespace) -> int:
         progress.update(task, completed=bench.total_steps(cfg), description="done")
     report.environment["command"] = command_line(args, device, cfg)
 
+    # The files first, then the tables: a reader that stops early (`| head`) must not cost
+    # the measurements their files.
+    written: list[Path] = []
+    if args.out:
+        try:
+            written = write_outputs(report, args.out)
+        except OSError as e:  # checked writable at parse time; the disk may still fill up
+            err.print(f"fadiag bench: {e.filename or args.out}: {e.strerror or e}", highlight=False)
+            return 1
     out = Console()
     if not out.is_terminal:  # logs and CI: full-width tables instead of wrapped columns
         out = Console(width=160)
@@ -174,12 +183,7 @@ def run(args: argparse.Namespace) -> int:
         err.print(f"[yellow]skipped[/] {line}", highlight=False)
     if "math" in cfg.backend_list and not report.formula_checks:
         err.print("[yellow]no formula check[/]: the math backend ran at no sequence length")
-    if args.out:
-        try:
-            written = write_outputs(report, args.out)
-        except OSError as e:  # checked writable at parse time; the disk may still fill up
-            err.print(f"fadiag bench: {e.filename or args.out}: {e.strerror or e}", highlight=False)
-            return 1
+    if written:
         err.print("wrote " + ", ".join(str(p) for p in written))
     return 0
 

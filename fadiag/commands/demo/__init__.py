@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import Any
 
 from .. import _args
@@ -37,6 +38,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ...device import available
+    from ...errors import FadiagError
     from .training import DemoConfig, run_demo
 
     if not available(args.device):
@@ -47,4 +49,8 @@ def run(args: argparse.Namespace) -> int:
     cfg = DemoConfig(steps=args.steps, port=args.port, device=args.device,
                      force_math=args.force_math, slow_backward=args.slow_backward,
                      seq_len=args.seq_len, jsonl=None if args.jsonl is None else str(args.jsonl))
-    return run_demo(cfg)
+    try:
+        return run_demo(cfg)
+    except FadiagError as e:  # e.g. the metrics port is taken and exporter.on_port_in_use: fail
+        print(f"fadiag demo: {str(e).removeprefix('fadiag: ')}", file=sys.stderr)
+        return 1

@@ -23,6 +23,7 @@ from torch import nn
 
 import fadiag
 
+from ...config_loader import disabled_by_environment
 from ...records import StepReport
 from ..report.summary import format_summary, mib, ms, num, summarize
 
@@ -172,8 +173,9 @@ class _View:
         self.max_ratio, self.min_savings = limits
         self._live: Any = None
         if live:
-            from rich.console import Console
             from rich.live import Live
+
+            from .._output import Console
 
             self.console = Console(file=out)
             self._live = Live(self._table(), console=self.console, refresh_per_second=8,
@@ -282,8 +284,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
         "sdpa forced to the math backend" if cfg.force_math else "sdpa")
     model = TinyGPT(cfg, attention).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-    url = (f"http://{_host(session)}:{session.port}/metrics" if session.port
-           else "exporter off (see fadiag's log)")
+    url = _metrics_line(session)
     out.write(f"fadiag demo: {cfg.layers}-layer GPT, dim {cfg.dim}, {cfg.heads} heads, "
               f"seq {cfg.seq_len}, batch {cfg.batch} on {cfg.device}; attention: {kind}\n"
               f"metrics: {url}\n")
@@ -293,8 +294,6 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
     view = _View(live, f"fadiag demo — {url}", out,
                  (rules.backward_forward_ratio.threshold, rules.memory_savings.threshold))
     seen: deque[StepReport] = deque(maxlen=10_000)
-    flags: Counter[str] = Counter()
-    first_flag: dict[str, str] = {}
     last = -1
 
     def show() -> None:
@@ -304,10 +303,6 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
                 continue
             last = report.step
             seen.append(report)
-            for f in report.flags:
-                if not f.cleared:
-                    flags[f.rule] += 1
-                    first_flag.setdefault(f.rule, f"step {f.step}, {f.site}: {f.message}")
             view.add(report)
 
     interrupted = False
@@ -331,11 +326,7 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
     elapsed = time.perf_counter() - started
     out.write(f"\n{'interrupted after' if interrupted else 'trained'} {done} steps "
               f"in {elapsed:.1f} s ({elapsed / max(done, 1) * 1e3:.0f} ms per step)\n")
-    summary = summarize(list(seen))
-    summary.flags_by_rule = flags
-    out.write(format_summary(summary) + "\n")
-    for rule, text in first_flag.items():
-        out.write(f"first {rule} flag: {text}\n")
+    out.write(format_summary(summarize(list(seen))) + "\n")
     out.flush()
     return 130 if interrupted else 0
 
@@ -364,6 +355,20 @@ def _autocast(device: torch.device) -> contextlib.AbstractContextManager[Any]:
     if device.type == "cpu":
         return contextlib.nullcontext()
     return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+def _metrics_line(session: Any) -> str:
+    """Where the metrics are served, or why they are not."""
+    if session.port:
+        return f"http://{_host(session)}:{session.port}/metrics"
+    if not session.config.enabled:
+        return ("none: fadiag disabled by FADIAG_DISABLE" if disabled_by_environment()
+                else "none: fadiag disabled by the configuration (enabled: false)")
+    exporter = session.config.exporter
+    if not exporter.enabled:
+        return "none: exporter off (exporter.enabled: false)"
+    return (f"none: port {exporter.port} was taken (exporter.on_port_in_use: "
+            f"{exporter.on_port_in_use}; see the warning above)")
 
 
 def _host(session: Any) -> str:

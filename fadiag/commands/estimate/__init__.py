@@ -9,10 +9,10 @@ import argparse
 import json
 import sys
 
-from rich.console import Console
 from rich.table import Table
 
 from .. import _args
+from .._output import Console
 from .arithmetic import ELEMENT_BYTES, Estimate, ModelShape, estimate, human_bytes
 
 

@@ -1,43 +1,90 @@
-"""`fadiag report`: a run log turned into a summary, per-site table, PNG plots and optional HTML.
+"""A run's summary: medians over steps, a per-site table, and each flag episode with its cause.
 
-Reads what `fadiag.jsonl` writes; knows nothing of torch. Plots use matplotlib's Agg canvas
-directly, so no global pyplot state and no display are involved.
+Reads what `fadiag.jsonl` writes (or a live session's history); knows nothing of torch. The
+demo prints the same summary at its end.
 """
 
 from __future__ import annotations
 
-import base64
-import html
 import os
 import statistics
+import textwrap
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-from ...config import MemoryRuleConfig, RatioRuleConfig
 from ...jsonl import Run
-from ...records import Figures, Flag, StepReport
+from ...records import Flag, SiteSummary, StepReport
+from ...rules import TOTAL
 
-RULES = ("backward_forward_ratio", "memory_savings", "regression", "hang")
+EPISODES_SHOWN = 20
+"""Episodes the text summary lists; the HTML page lists every one."""
 
 
 @dataclass
-class SiteRow(Figures):
-    """One call site over the whole run."""
+class SiteRow:
+    """One call site over the whole run: its figure in each step it ran in, and their medians.
+
+    Medians, like the summary's, so a first step that pays for warm-up does not weigh on them.
+    """
 
     site: str
     impl: str
     shape: tuple[int, ...]
     dtype: str
     calls: int = 0
-    steps: int = 0
-    forward_seconds: float = 0.0
-    backward_seconds: float = 0.0
-    kept_bytes: int | None = 0
-    standard_bytes: int = 0
+    per_step: list[SiteSummary] = field(default_factory=list)
     flags: int = 0
+    """Flag episodes this site was part of (a step-total flag counts for every site that was
+    past the rule's threshold in the step it was raised)."""
+
+    @property
+    def steps(self) -> int:
+        return len(self.per_step)
+
+    @property
+    def forward_seconds(self) -> float | None:
+        return _median(s.forward_seconds for s in self.per_step)
+
+    @property
+    def backward_seconds(self) -> float | None:
+        return _median(s.backward_seconds for s in self.per_step)
+
+    @property
+    def ratio(self) -> float | None:
+        return _median(s.ratio for s in self.per_step)
+
+    @property
+    def memory_savings(self) -> float | None:
+        return _median(s.memory_savings for s in self.per_step)
+
+    @property
+    def kept_bytes(self) -> float | None:
+        kept = [s.kept_bytes for s in self.per_step]
+        return None if not kept or None in kept else statistics.median(kept)  # type: ignore[type-var]
+
+    @property
+    def standard_bytes(self) -> float | None:
+        return _median(s.standard_bytes for s in self.per_step)
+
+
+@dataclass
+class Episode:
+    """One flag episode: raised once, open until the rule has been calm for a few steps."""
+
+    flag: Flag
+    """The flag as raised: rule, value, threshold, site, message (and severity, where rules set one)."""
+    sites: list[str]
+    """The call sites involved: the flag's own site, or for a step-total flag the sites past the
+    threshold in the step it was raised (empty when the step is not in the log)."""
+    total_sites: int
+    """Sites in that step, to read `sites` against."""
+    cleared_at: int | None = None
+    """The step it cleared at; None when it had not (or, see `tracked`, is not known to have)."""
+    tracked: bool = True
+    """Whether clearings were recorded (a run log, a session's flags) rather than only the
+    raised flags steps carry, so that no `cleared_at` means still open at the end."""
 
 
 @dataclass
@@ -62,15 +109,18 @@ class Summary:
     flags_by_rule: Counter[str] = field(default_factory=Counter)
     sites: list[SiteRow] = field(default_factory=list)
     impls: Counter[str] = field(default_factory=Counter)
+    episodes: list[Episode] = field(default_factory=list)
 
 
 def run_logs(path: str | os.PathLike[str]) -> list[Path]:
-    """The run log files at path: the file itself, or every rank's file in a directory."""
+    """The run log files at path: the file itself, or every rank's file in a directory
+    (``fadiag-rank<R>.jsonl``, or gzip-compressed, ``.jsonl.gz``)."""
     p = Path(path)
     if p.is_dir():
-        found = sorted(p.glob("fadiag-rank*.jsonl"), key=_rank_of)
+        found = sorted([*p.glob("fadiag-rank*.jsonl"), *p.glob("fadiag-rank*.jsonl.gz")],
+                       key=lambda f: (_rank_of(f), f.name))
         if not found:
-            raise FileNotFoundError(f"no fadiag-rank*.jsonl files in {p}")
+            raise FileNotFoundError(f"no fadiag-rank*.jsonl (or .jsonl.gz) files in {p}")
         return found
     if not p.exists():
         raise FileNotFoundError(f"no such file: {p}")
@@ -78,7 +128,7 @@ def run_logs(path: str | os.PathLike[str]) -> list[Path]:
 
 
 def _rank_of(p: Path) -> int:
-    digits = p.name.removeprefix("fadiag-rank").removesuffix(".jsonl")
+    digits = p.name.removeprefix("fadiag-rank").removesuffix(".gz").removesuffix(".jsonl")
     return int(digits) if digits.isdigit() else 0
 
 
@@ -89,15 +139,16 @@ def _median(values: Iterable[float | None]) -> float | None:
 
 def summarize(steps: Sequence[StepReport], flags: Sequence[Flag] | None = None,
               rank: int | None = None) -> Summary:
-    """Medians over steps, flags by rule (raised, not cleared) and a per-site table.
+    """Medians over steps, flags by rule (raised, not cleared), a per-site table, episodes.
 
-    ``flags`` defaults to the flags carried by the steps themselves.
+    ``flags``: every flag raised and cleared (a run log's flag events, or a session's
+    ``on_flag`` callback); default: the raised flags the steps carry, which say nothing of
+    when an episode cleared.
     """
+    tracked = flags is not None
     if flags is None:
         flags = [f for s in steps for f in s.flags]
-    raised = [f for f in flags if not f.cleared]
-    by_rule: Counter[str] = Counter(f.rule for f in raised)
-    by_site: Counter[str] = Counter(f.site for f in raised)
+    by_rule: Counter[str] = Counter(f.rule for f in flags if not f.cleared)
     sites: dict[str, SiteRow] = {}
     impls: Counter[str] = Counter()
     for s in steps:
@@ -109,16 +160,14 @@ def summarize(steps: Sequence[StepReport], flags: Sequence[Flag] | None = None,
             if row is None:
                 row = sites[ss.site] = SiteRow(ss.site, ss.impl, tuple(ss.shape), ss.dtype)
             row.calls += ss.calls
-            row.steps += 1
-            row.forward_seconds += ss.forward_seconds
-            row.backward_seconds += ss.backward_seconds
-            row.standard_bytes += ss.standard_bytes
-            if row.kept_bytes is not None:
-                row.kept_bytes = None if ss.kept_bytes is None else row.kept_bytes + ss.kept_bytes
+            row.per_step.append(ss)
             if ss.impl not in row.impl.split("+"):
                 row.impl += "+" + ss.impl
-    for row in sites.values():
-        row.flags = by_site.get(row.site, 0)
+    found = episodes(steps, flags, tracked)
+    for e in found:
+        for site in e.sites:
+            if site in sites:
+                sites[site].flags += 1
     peaks = [s.peak_bytes for s in steps if s.peak_bytes is not None]
     return Summary(
         rank=steps[0].rank if rank is None and steps else (rank or 0),
@@ -133,7 +182,42 @@ def summarize(steps: Sequence[StepReport], flags: Sequence[Flag] | None = None,
         flags_by_rule=by_rule,
         sites=list(sites.values()),
         impls=impls,
+        episodes=found,
     )
+
+
+def episodes(steps: Sequence[StepReport], flags: Sequence[Flag],
+             tracked: bool = True) -> list[Episode]:
+    """Each raised flag with the sites it involved and the step it cleared at, in order."""
+    by_step = {s.step: s for s in steps}
+    out: list[Episode] = []
+    open_: dict[tuple[str, str], Episode] = {}
+    for f in flags:
+        key = (f.rule, f.site)
+        if f.cleared:
+            e = open_.pop(key, None)
+            if e is not None:
+                e.cleared_at = f.step
+            continue
+        step = by_step.get(f.step)
+        step_sites = step.sites() if step is not None else []
+        if f.site != TOTAL:
+            involved = [f.site]
+        else:
+            involved = [s.site for s in step_sites if _past(f, s)]
+        e = Episode(flag=f, sites=involved, total_sites=len(step_sites), tracked=tracked)
+        open_[key] = e
+        out.append(e)
+    return out
+
+
+def _past(flag: Flag, s: SiteSummary) -> bool:
+    """Whether a site's own figure was past the threshold of a step-total flag."""
+    if flag.rule == "backward_forward_ratio":
+        return s.ratio is not None and s.ratio > flag.threshold
+    if flag.rule == "memory_savings":
+        return s.memory_savings is not None and s.memory_savings < flag.threshold
+    return False  # regression and hang judge the step as a whole
 
 
 def summarize_run(run: Run) -> Summary:
@@ -150,26 +234,46 @@ def num(value: float | None, digits: int = 2) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
 
 
-def mib(nbytes: int | None) -> str:
+def mib(nbytes: float | None) -> str:
     return "-" if nbytes is None else f"{nbytes / 2**20:.1f}"
 
 
 def site_table(s: Summary) -> list[list[str]]:
-    """The per-site table: header row, then one row per site."""
-    rows = [["site", "impl", "shape (B,H,Sq,Sk,D)", "dtype", "calls", "fwd ms/step",
-             "bwd ms/step", "ratio", "savings", "kept MiB", "standard MiB", "flags"]]
+    """The per-site table: header row, then one row per site (medians over its steps)."""
+    rows = [["site", "impl", "shape (B,H,Sq,Sk,D)", "dtype", "calls", "fwd ms", "bwd ms",
+             "ratio", "savings", "kept MiB", "standard MiB", "flags"]]
     for r in s.sites:
-        n = max(r.steps, 1)
         rows.append([r.site, r.impl, "x".join(str(d) for d in r.shape), r.dtype, str(r.calls),
-                     ms(r.forward_seconds / n), ms(r.backward_seconds / n), num(r.ratio),
-                     num(r.memory_savings, 3),
-                     mib(None if r.kept_bytes is None else r.kept_bytes // n),
-                     mib(r.standard_bytes // n), str(r.flags)])
+                     ms(r.forward_seconds), ms(r.backward_seconds), num(r.ratio),
+                     num(r.memory_savings, 3), mib(r.kept_bytes), mib(r.standard_bytes),
+                     str(r.flags)])
     return rows
 
 
+def episode_lines(e: Episode) -> tuple[str, str]:
+    """An episode as a heading (rule, severity, steps, sites, value) and its message."""
+    f = e.flag
+    severity = getattr(f, "severity", None)
+    rule = f"{f.rule} [{severity}]" if severity else f.rule
+    if e.cleared_at is not None:
+        when = f"steps {f.step}..{e.cleared_at} (cleared)"
+    elif e.tracked:
+        when = f"from step {f.step} (still open at the end)"
+    else:
+        when = f"from step {f.step}"
+    if f.site != TOTAL:
+        where = f"site {f.site}"
+    elif e.sites:
+        names = ", ".join(e.sites[:3]) + (", ..." if len(e.sites) > 3 else "")
+        where = f"{len(e.sites)}/{e.total_sites} sites ({names})"
+    else:
+        where = "the step as a whole"
+    value = f"value {f.value:.4g}, threshold {f.threshold:g}"
+    return f"{rule}  {when}  {where}  {value}", f.message
+
+
 def format_summary(s: Summary) -> str:
-    """Plain-text summary: headline figures, flags by rule, per-site table."""
+    """Plain-text summary: headline figures, flags by rule, per-site table, flag episodes."""
     if s.steps == 0:
         return f"rank {s.rank}: no resolved steps"
     lines = [
@@ -185,9 +289,24 @@ def format_summary(s: Summary) -> str:
                                  or "none"),
     ]
     if s.sites:
-        lines.append("")
+        lines += ["", "  per site, medians over the steps it ran in:"]
         lines.extend(_aligned(site_table(s), indent="  "))
+    if s.episodes:
+        lines += ["", "  flag episodes:"]
+        for e in s.episodes[:EPISODES_SHOWN]:
+            heading, message = episode_lines(e)
+            lines.append("    " + heading)
+            lines.append(textwrap.fill(message, width=100, initial_indent="      ",
+                                       subsequent_indent="      "))
+        if len(s.episodes) > EPISODES_SHOWN:
+            lines.append(f"    ... {len(s.episodes) - EPISODES_SHOWN} more episodes "
+                         "(report.html, from --html, lists every one)")
     return "\n".join(lines)
+
+
+def headline(s: Summary) -> str:
+    """The summary's figures without the tables."""
+    return format_summary(s).split("\n\n")[0]
 
 
 def _aligned(rows: list[list[str]], indent: str = "") -> list[str]:
@@ -197,129 +316,3 @@ def _aligned(rows: list[list[str]], indent: str = "") -> list[str]:
         cells = [c.ljust(w) if i < 4 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths, strict=True))]
         out.append(indent + "  ".join(cells).rstrip())
     return out
-
-
-def thresholds(run: Run) -> dict[str, float]:
-    """Rule thresholds as the run used them: from its flags, its logged config, else defaults."""
-    found = {"backward_forward_ratio": RatioRuleConfig().threshold,
-             "memory_savings": MemoryRuleConfig().threshold}
-    rules = run.meta.get("config", {}).get("rules", {}) if isinstance(run.meta.get("config"), dict) else {}
-    for rule in found:
-        value = rules.get(rule, {}).get("threshold") if isinstance(rules.get(rule), dict) else None
-        if isinstance(value, (int, float)):
-            found[rule] = float(value)
-    for f in run.flags or [f for s in run.steps for f in s.flags]:
-        if f.rule in found and not f.cleared:
-            found[f.rule] = f.threshold
-    return found
-
-
-def plot_run(run: Run, out_dir: str | os.PathLike[str], prefix: str = "") -> list[Path]:
-    """Write the five PNGs for one rank's run; returns their paths."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    steps = run.steps
-    x = [s.step for s in steps]
-    nan = float("nan")
-    limits = thresholds(run)
-    paths: list[Path] = []
-
-    def figure(title: str, ylabel: str) -> tuple[Any, Any]:
-        fig = Figure(figsize=(9, 3.6), layout="constrained")
-        FigureCanvasAgg(fig)
-        ax = fig.add_subplot()
-        ax.set_title(title)
-        ax.set_xlabel("step")
-        ax.set_ylabel(ylabel)
-        ax.grid(True, alpha=0.3)
-        return fig, ax
-
-    def save(fig: Any, name: str) -> None:
-        path = out / f"{prefix}{name}.png"
-        fig.savefig(path, dpi=100)
-        paths.append(path)
-
-    fig, ax = figure("Attention time per step", "ms")
-    ax.plot(x, [s.forward_seconds * 1e3 for s in steps], label="forward", marker=".")
-    ax.plot(x, [s.backward_seconds * 1e3 for s in steps], label="backward", marker=".")
-    ax.legend()
-    save(fig, "times")
-
-    fig, ax = figure("Backward / forward ratio", "ratio")
-    ax.plot(x, [nan if s.ratio is None else s.ratio for s in steps], label="ratio", marker=".")
-    ax.axhline(limits["backward_forward_ratio"], color="red", linestyle="--",
-               label=f"threshold {limits['backward_forward_ratio']:g}")
-    ax.set_ylim(bottom=0)
-    ax.legend()
-    save(fig, "ratio")
-
-    fig, ax = figure("Memory savings (1 - kept / standard)", "savings")
-    ax.plot(x, [nan if s.memory_savings is None else s.memory_savings for s in steps],
-            label="savings", marker=".")
-    ax.axhline(limits["memory_savings"], color="red", linestyle="--",
-               label=f"threshold {limits['memory_savings']:g}")
-    lowest = min((s.memory_savings for s in steps if s.memory_savings is not None), default=0.0)
-    ax.set_ylim(min(0.0, lowest) - 0.05, 1.05)
-    ax.legend()
-    save(fig, "savings")
-
-    fig, ax = figure("Attention memory per step", "MiB")
-    for label, values in (
-        ("kept", [s.kept_bytes for s in steps]),
-        ("standard", [s.standard_bytes for s in steps]),
-        ("attention peak", [s.peak_bytes for s in steps]),
-        ("step peak", [s.step_peak_bytes for s in steps]),
-    ):
-        if any(v is not None for v in values):
-            ax.plot(x, [nan if v is None else v / 2**20 for v in values], label=label, marker=".")
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    save(fig, "memory")
-
-    fig, ax = figure("Flags raised", "rule")
-    flags = run.flags or [f for s in steps for f in s.flags]
-    ax.set_yticks(range(len(RULES)), list(RULES))
-    ax.set_ylim(-0.5, len(RULES) - 0.5)
-    for i, rule in enumerate(RULES):
-        hits = [f.step for f in flags if f.rule == rule and not f.cleared]
-        if hits:
-            ax.scatter(hits, [i] * len(hits), marker="|", s=200)
-    if x:
-        ax.set_xlim(min(x) - 0.5, max(x) + 0.5)
-    save(fig, "flags")
-    return paths
-
-
-def write_html(path: str | os.PathLike[str], sections: Sequence[tuple[Summary, Sequence[Path]]],
-               source: str) -> Path:
-    """One self-contained page: per rank, the summary, the per-site table and the PNGs inline."""
-    parts = [
-        "<!doctype html><html><head><meta charset='utf-8'>",
-        f"<title>fadiag report: {html.escape(source)}</title>",
-        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:2px 8px;text-align:right}"
-        "td:nth-child(-n+4),th{text-align:left}img{display:block;margin:1em 0}</style>",
-        f"</head><body><h1>fadiag report</h1><p>{html.escape(source)}</p>",
-    ]
-    for summary, images in sections:
-        parts.append(f"<h2>rank {summary.rank}</h2><pre>{html.escape(_headline(summary))}</pre>")
-        rows = site_table(summary)
-        parts.append("<table><tr>" + "".join(f"<th>{html.escape(c)}</th>" for c in rows[0]) + "</tr>")
-        for r in rows[1:]:
-            parts.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>")
-        parts.append("</table>")
-        for img in images:
-            data = base64.b64encode(Path(img).read_bytes()).decode("ascii")
-            parts.append(f"<img alt='{html.escape(Path(img).stem)}' "
-                         f"src='data:image/png;base64,{data}'>")
-    parts.append("</body></html>")
-    out = Path(path)
-    out.write_text("\n".join(parts), encoding="utf-8")
-    return out
-
-
-def _headline(s: Summary) -> str:
-    return format_summary(s).split("\n\n")[0]
