@@ -25,6 +25,8 @@ class Check(NamedTuple):
 
     expected: str
     accepts: Callable[[Any], bool]
+    entry: Check | None = None
+    """For a mapping of names to values: what each value must be (its errors name the entry)."""
 
 
 def _is_int(v: object) -> bool:
@@ -69,6 +71,13 @@ def _is_host(v: object) -> bool:
         pass
     labels = v.rstrip(".").split(".")
     return len(v) <= 253 and all(_LABEL.fullmatch(x) for x in labels) and not labels[-1].isdigit()
+
+
+def _mapping_of(what: str, entry: Check) -> Check:
+    """A mapping of non-empty names to values that pass `entry`; each bad value is its own issue."""
+    return Check(f"a mapping of {what}",
+                 lambda v: isinstance(v, Mapping) and all(isinstance(k, str) and k for k in v),
+                 entry)
 
 
 def _one_of(*choices: str) -> Check:
@@ -145,18 +154,34 @@ class RatioRuleConfig:
 
     _checks: ClassVar[dict[str, Check]] = {
         "threshold": _number(above=0),
+        "per_impl": _mapping_of("impl names to numbers > 0", _number(above=0)),
         "min_forward_seconds": _number(lo=0),
+        "warmup_steps": _integer(0),
+        "host_median_steps": _integer(1),
     }
 
     enabled: bool = True
     """Evaluate this rule."""
     threshold: float = 3.0
     """Flag when backward seconds / forward seconds exceeds this."""
+    per_impl: dict[str, float] = field(default_factory=dict, hash=False)
+    """Thresholds for some impls ({cudnn: 3.7, flash: 4.0}); the others use threshold. `fadiag
+    calibrate` measures the job's shapes and writes them."""
     min_forward_seconds: float = 0.0
     """Ignore sites whose forward time is below this (microsecond noise); 0 keeps the rule as written."""
+    warmup_steps: int = 3
+    """Measured steps after attach() that are not judged (cold caches, kernel plans, autotuning).
+    A call that learned its signature (the first of each shape) is never judged."""
+    host_median_steps: int = 9
+    """Host-clock timings (CPU) are judged on the median of a site's last this-many steps, once
+    it has that many: the host clock counts every preemption, and one step can read 30x."""
 
     def __post_init__(self) -> None:
         _validate(self)
+        object.__setattr__(self, "per_impl", {k: float(v) for k, v in self.per_impl.items()})
+
+    def threshold_for(self, impl: str) -> float:
+        return self.per_impl.get(impl, self.threshold)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -182,6 +207,7 @@ class RegressionRuleConfig:
         "tolerance": _number(above=0),
         "min_increase_seconds": _number(lo=0),
         "consecutive": _integer(1),
+        "sustain_seconds": _number(lo=0),
         "warmup_steps": _integer(0),
         "window": _integer(1),
     }
@@ -195,9 +221,13 @@ class RegressionRuleConfig:
     hundreds of steps on a shared machine; below half a millisecond per step that is noise, not a
     regression worth a flag. 0 judges by the fraction alone."""
     consecutive: int = 5
-    """...for this many consecutive steps."""
+    """...for this many consecutive steps..."""
+    sustain_seconds: float = 30.0
+    """...spanning at least this many seconds (first step over to the last): a neighbour's burst
+    of a few seconds is not a regression. 0 judges by steps alone."""
     warmup_steps: int = 10
-    """Steps skipped before the baseline window starts collecting."""
+    """Steps after attach() that are not compared (with the rolling baseline or a baseline file);
+    then the rolling baseline's window starts collecting."""
     window: int = 50
     """Steps after the warm-up whose median becomes the baseline (then fixed for the run)."""
     baseline_file: str | None = None
@@ -398,6 +428,11 @@ def _problems(
         if isinstance(check, Check) and not check.accepts(value):
             bad.add(name)
             yield name, f"must be {check.expected}, got {_REPR.repr(value)}"
+        elif isinstance(check, Check) and check.entry is not None:
+            for key, item in value.items():
+                if not check.entry.accepts(item):
+                    bad.add(name)
+                    yield f"{name}.{key}", f"must be {check.entry.expected}, got {_REPR.repr(item)}"
     for a, b in getattr(cls, "_together", ()):
         if a in bad or b in bad or (effective[a] is None) == (effective[b] is None):
             continue

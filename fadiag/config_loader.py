@@ -143,14 +143,9 @@ def _layers(source: object, overrides: object, environ: Mapping[str, str]) -> li
     elif overrides is not None:
         reason = f"must be a mapping of keys to values, got {_REPR.repr(overrides)}"
         layers.append(_Layer(ConfigIssue("", f"overrides {reason}", reason)))
-    if disabled_by_environment(environ):
+    if environ.get("FADIAG_DISABLE", "").strip().lower() in _TRUE:
         layers.append(_Layer({"enabled": False}))
     return layers
-
-
-def disabled_by_environment(environ: Mapping[str, str] = os.environ) -> bool:
-    """Whether FADIAG_DISABLE switches fadiag off (1, true, yes or on)."""
-    return environ.get("FADIAG_DISABLE", "").strip().lower() in _TRUE
 
 
 def _override(key: object, value: object) -> object:
@@ -307,6 +302,13 @@ def _merge(
             )
         elif isinstance(spec, type):
             _merge(spec, value, into.setdefault(key, {}), origins, layer, issues)
+        elif spec.entry is not None and isinstance(value, Mapping):
+            # A mapping leaf (per_impl) merges entry by entry, so an override adds one impl.
+            old = into.get(key)
+            into[key] = {**(old if isinstance(old, Mapping) else {}), **value}
+            origins[dotted] = (layer.source, line)
+            for name in value:
+                origins[f"{dotted}.{name}"] = (layer.source, layer.lines.get(f"{dotted}.{name}"))
         else:
             into[key] = value
             origins[dotted] = (layer.source, line)

@@ -53,6 +53,9 @@ class CallRecord(Figures):
     recompute: bool = False
     interceptor: str = "sdpa"
     fallback_reason: str | None = None
+    probe: bool = False
+    """The call its signature was learned on: its forward also counted saved bytes and read the
+    allocator, and cold caches (kernel plans, autotuning) land in it, so rules do not judge it."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -81,6 +84,12 @@ class Flag:
     shape: Shape | None = None
     rank: int = 0
     cleared: bool = False
+    severity: str = "warning"
+    """info: within the range measured healthy for its impl, shape and device (the kernel, not a
+    fault); warning: beyond that range, or none is known; critical: a hang."""
+    band: str = ""
+    """Ratio flags: the healthy range they were judged against ("cudnn S≈2048 H200: 2.65-3.38x"),
+    or "unknown" where none was measured (fadiag.bands)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -110,6 +119,8 @@ class SiteSummary(Figures):
     backward_seconds: float
     kept_bytes: int | None
     standard_bytes: int
+    device: str = ""
+    """The timer kind of its calls: "cpu" means host-clock timings."""
 
 
 @dataclass
@@ -142,21 +153,7 @@ class StepReport(Figures):
 
     def sites(self) -> list[SiteSummary]:
         """Per-site totals, in first-call order."""
-        by_site: dict[str, SiteSummary] = {}
-        for c in self.calls:
-            s = by_site.get(c.site)
-            if s is None:
-                s = by_site[c.site] = SiteSummary(
-                    c.site, c.impl, c.shape, c.dtype, 0, 0.0, 0.0, 0, 0
-                )
-            if not c.recompute:
-                s.calls += 1
-                s.forward_seconds += c.forward_seconds
-                s.standard_bytes += c.standard_bytes
-                if s.kept_bytes is not None:
-                    s.kept_bytes = None if c.kept_bytes is None else s.kept_bytes + c.kept_bytes
-            s.backward_seconds += c.backward_seconds
-        return list(by_site.values())
+        return summarize(self.calls)
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -192,6 +189,24 @@ class StepReport(Figures):
             wall_time=float(d.get("wall_time", 0.0)),
             recompute_seconds=float(d.get("recompute_seconds", 0.0)),
         )
+
+
+def summarize(calls: list[CallRecord]) -> list[SiteSummary]:
+    """Per-site totals of `calls`, in first-call order (a recomputation adds its backward only)."""
+    by_site: dict[str, SiteSummary] = {}
+    for c in calls:
+        s = by_site.get(c.site)
+        if s is None:
+            s = by_site[c.site] = SiteSummary(c.site, c.impl, c.shape, c.dtype, 0, 0.0, 0.0, 0, 0,
+                                              c.device)
+        if not c.recompute:
+            s.calls += 1
+            s.forward_seconds += c.forward_seconds
+            s.standard_bytes += c.standard_bytes
+            if s.kept_bytes is not None:
+                s.kept_bytes = None if c.kept_bytes is None else s.kept_bytes + c.kept_bytes
+        s.backward_seconds += c.backward_seconds
+    return list(by_site.values())
 
 
 def ratio(backward: float, forward: float) -> float | None:

@@ -207,7 +207,7 @@ class Resolver:
                 forward_seconds=f, backward_seconds=b, kept_bytes=sig.kept_bytes,
                 standard_bytes=sig.standard_bytes, peak_bytes=sig.peak_bytes,
                 recompute=c.recompute, interceptor=sig.interceptor,
-                fallback_reason=sig.fallback_reason))
+                fallback_reason=sig.fallback_reason, probe=c.probe))
             bwd += b
             if c.recompute:
                 recompute += f

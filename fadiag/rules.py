@@ -8,12 +8,13 @@ from __future__ import annotations
 
 import logging
 import statistics
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Iterable
 
+from .bands import band_for
 from .baseline import Baseline
 from .config import RulesConfig
-from .records import Flag, SiteSummary, StepReport
+from .records import Flag, SiteSummary, StepReport, ratio, summarize
 
 log = logging.getLogger("fadiag")
 
@@ -31,7 +32,7 @@ class Rules:
 
         rules = Rules(RulesConfig(), device="NVIDIA H200")
         for flag in rules.evaluate(report):
-            print(flag.message)
+            print(flag.severity, flag.message)
     """
 
     def __init__(self, cfg: RulesConfig, device: str = "cpu", baseline: Baseline | None = None,
@@ -43,13 +44,15 @@ class Rules:
         self.active: dict[tuple[str, str], Flag] = {}
         self.baseline_seconds: float | None = None
         """The baseline the last step was compared with (its sites, its key); None for a step
-        without one (a shape still in its warm-up)."""
+        without one (the warm-up, or a shape still in its window)."""
         self.regression_ratio: float | None = None
         """The last step's attention seconds over that baseline; None for a step without one."""
-        self._warm: dict[object, list[float]] = {}
-        self._frozen: dict[object, tuple[float, float]] = {}
-        self._seen_steps = 0
+        self._evaluated = 0
+        self._host: dict[object, deque[float]] = {}  # host-clock ratios, per site key
+        self._warm: dict[object, list[tuple[float, dict[str, str]]]] = {}
+        self._frozen: dict[object, tuple[float, float, dict[str, str]]] = {}
         self._over: deque[bool] = deque(maxlen=max(1, cfg.regression.consecutive))
+        self._over_since: float | None = None
         self._baseline_warned = False
         # (observed / expected, observed - expected - allowed) of the last three judged steps:
         # ratios, so steps of different keys (shapes a run alternates between) compare.
@@ -62,14 +65,16 @@ class Rules:
     def evaluate(self, report: StepReport) -> list[Flag]:
         """Flags raised or cleared by this step (raised ones have cleared=False)."""
         self._last_step = report.step
+        self._evaluated += 1
         conditions: dict[tuple[str, str], Flag] = {}
-        sites = report.sites()
+        # Timing rules judge the steady state: not the calls that learned a signature.
+        steady = summarize([c for c in report.calls if not c.probe])
         if self.cfg.backward_forward_ratio.enabled:
-            conditions.update(self._ratio(report, sites))
+            conditions.update(self._ratio(report, steady))
         if self.cfg.memory_savings.enabled:
-            conditions.update(self._memory(report, sites))
+            conditions.update(self._memory(report, report.sites()))
         if self.cfg.regression.enabled:
-            conditions.update(self._regression(report, sites))
+            conditions.update(self._regression(report, steady))
         out = self._episodes(conditions, rules=("backward_forward_ratio", "memory_savings",
                                                 "regression"), step=report.step)
         report.flags = [f for f in out if not f.cleared]
@@ -98,26 +103,58 @@ class Rules:
             old = self.active.pop(key)
             out.append(Flag(rule=old.rule, value=old.value, threshold=old.threshold, step=step,
                             site=old.site, message=f"cleared: {old.rule} at {old.site}",
-                            impl=old.impl, shape=old.shape, rank=self.rank, cleared=True))
+                            impl=old.impl, shape=old.shape, rank=self.rank, cleared=True,
+                            severity=old.severity, band=old.band))
         return out
+
+    def _judged_ratio(self, key: object, value: float | None, host: bool) -> float | None:
+        """The ratio the rule judges: the step's own, or on host-clock timings the median of the
+        key's last `host_median_steps` steps (None until it has that many)."""
+        if value is None or not host:
+            return value
+        n = self.cfg.backward_forward_ratio.host_median_steps
+        recent = self._host.get(key)
+        if recent is None:
+            recent = self._host[key] = deque(maxlen=n)
+        recent.append(value)
+        return statistics.median(recent) if len(recent) == n else None
 
     def _ratio(self, report: StepReport, sites: list[SiteSummary]) -> dict[tuple[str, str], Flag]:
         cfg = self.cfg.backward_forward_ratio
         out: dict[tuple[str, str], Flag] = {}
-        over = [s for s in sites if s.ratio is not None and s.ratio > cfg.threshold
-                and s.forward_seconds >= cfg.min_forward_seconds]
-        r = report.ratio
-        if r is not None and r > cfg.threshold and report.forward_seconds >= cfg.min_forward_seconds:
-            worst = max(over, key=lambda s: s.ratio or 0.0, default=None)
+        if self._evaluated <= cfg.warmup_steps:
+            return out
+        judged: list[tuple[SiteSummary, float, float]] = []  # (site, judged ratio, threshold)
+        for s in sites:
+            if s.forward_seconds < cfg.min_forward_seconds:
+                continue
+            r = self._judged_ratio((s.site, s.impl, s.shape), s.ratio, s.device == "cpu")
+            if r is not None:
+                judged.append((s, r, cfg.threshold_for(s.impl)))
+        over = [(s, r, t) for s, r, t in judged if r > t]
+        fwd = sum(s.forward_seconds for s in sites)
+        host = any(s.device == "cpu" for s in sites)
+        total = self._judged_ratio(TOTAL, ratio(sum(s.backward_seconds for s in sites), fwd), host)
+        # The step as a whole is judged against the most lenient threshold of its impls: a step
+        # over it has at least one site over its own.
+        line = max((t for _, _, t in judged), default=cfg.threshold)
+        median = f" (median of the last {cfg.host_median_steps} steps)" if host else ""
+        if total is not None and total > line and fwd >= cfg.min_forward_seconds and over:
+            s, r, _ = max(over, key=lambda x: x[1])
+            bands = [band_for(x, self.device) for x, y, _ in over]
+            calm = all(b is not None and b.covers(y) for b, (_, y, _) in zip(bands, over, strict=True))
             out[("backward_forward_ratio", TOTAL)] = self._flag(
-                "backward_forward_ratio", r, cfg.threshold, report.step, TOTAL, worst,
-                _ratio_advice(r, cfg.threshold, worst, len(over), len(sites)))
+                "backward_forward_ratio", total, line, report.step, TOTAL, s,
+                _ratio_advice(total, line, s, r, len(over), len(sites), self.device, median),
+                severity="info" if calm else "warning", band=_band_label(s, self.device))
         elif self.cfg.per_site:
-            for s in over:
-                assert s.ratio is not None
+            for s, r, t in over:
+                b = band_for(s, self.device)
                 out[("backward_forward_ratio", s.site)] = self._flag(
-                    "backward_forward_ratio", s.ratio, cfg.threshold, report.step, s.site, s,
-                    _ratio_advice(s.ratio, cfg.threshold, s, None, len(sites)))
+                    "backward_forward_ratio", r, t, report.step, s.site, s,
+                    _ratio_advice(r, t, s, r, None, len(sites), self.device, median),
+                    severity="info" if b is not None and b.covers(r) else "warning",
+                    band=_band_label(s, self.device))
         return out
 
     def _memory(self, report: StepReport, sites: list[SiteSummary]) -> dict[tuple[str, str], Flag]:
@@ -140,18 +177,25 @@ class Rules:
                 out[("memory_savings", s.site)] = self._flag(
                     "memory_savings", s.memory_savings, cfg.threshold, report.step, s.site, s,
                     _memory_advice(s.memory_savings, cfg.threshold, s, reason, None, len(sites)))
+        for s, value, message in _unfused_flex(report, sites, cfg.threshold):
+            site = s.site if self.cfg.per_site else TOTAL
+            out.setdefault(("memory_savings", site), self._flag(
+                "memory_savings", value, cfg.threshold, report.step, site, s, message))
         return out
 
     def _regression(self, report: StepReport, sites: list[SiteSummary]) -> dict[tuple[str, str], Flag]:
         cfg = self.cfg.regression
         self.regression_ratio = self.baseline_seconds = None
-        observed = report.attention_seconds
+        if self._evaluated <= cfg.warmup_steps or not sites:
+            return self._calm_regression()
+        observed = sum(s.forward_seconds + s.backward_seconds for s in sites)
         expected: float | None = None
         spread = 0.0
+        changes: list[tuple[str, str, str]] = []
         if self.baseline is not None:
-            pair = self.baseline.expected(sites, self.device)
-            if pair is not None:
-                observed, expected = pair
+            match = self.baseline.expected(sites, self.device)
+            if match is not None:
+                observed, expected, changes = match.observed, match.expected, match.changes
             elif not self._baseline_warned:
                 self._baseline_warned = True
                 log.warning("fadiag: baseline file matches no site of this run (device %s); "
@@ -160,43 +204,70 @@ class Rules:
             key = frozenset((s.site, s.shape, s.dtype) for s in sites)
             frozen = self._frozen.get(key)
             if frozen is None:
-                self._seen_steps += 1
-                if self._seen_steps > cfg.warmup_steps:
-                    warm = self._warm.setdefault(key, [])
-                    warm.append(observed)
-                    if len(warm) >= cfg.window:
-                        med = statistics.median(warm)
-                        mad = statistics.median(abs(x - med) for x in warm)
-                        self._frozen[key] = (med, mad)
-                        del self._warm[key]
-                self._over.append(False)
-                return {}
-            expected, mad = frozen
+                warm = self._warm.setdefault(key, [])
+                warm.append((observed, {s.site: s.impl for s in sites}))
+                if len(warm) >= cfg.window:
+                    seconds = [x for x, _ in warm]
+                    med = statistics.median(seconds)
+                    mad = statistics.median(abs(x - med) for x in seconds)
+                    impls = {site: Counter(i[site] for _, i in warm).most_common(1)[0][0]
+                             for site in warm[-1][1]}
+                    self._frozen[key] = (med, mad, impls)
+                    del self._warm[key]
+                return self._calm_regression()
+            expected, mad, impls = frozen
+            changes = [(s.site, impls[s.site], s.impl) for s in sites
+                       if impls.get(s.site, s.impl) != s.impl]
             # A clean run on a noisy machine stays within a few MADs of its own warm-up.
             spread = 3.0 * 1.4826 * mad
         self.baseline_seconds = expected
         self.regression_ratio = observed / expected if expected > 0.0 else None
         if self.regression_ratio is None:
-            self._over.append(False)
-            return {}
+            return self._calm_regression()
         # A median of the last three steps: one slow step (a GC pause, a neighbour's burst) is
         # not a regression; a real slowdown lifts the median from its second step on.
         self._recent.append((self.regression_ratio,
                              observed - expected - max(spread, cfg.min_increase_seconds)))
         value = statistics.median(r for r, _ in self._recent)
-        over = value > 1.0 + cfg.tolerance and statistics.median(x for _, x in self._recent) > 0.0
+        slower = value > 1.0 + cfg.tolerance and statistics.median(x for _, x in self._recent) > 0.0
+        # A switch of impl at the same shapes (flash to math: the fallback) is a regression in
+        # itself, whatever the time says.
+        over = slower or bool(changes)
         self._over.append(over)
-        if len(self._over) == self._over.maxlen and all(self._over):
+        if not over:
+            self._over_since = None
+        elif self._over_since is None:
+            self._over_since = report.wall_time
+        sustained = (len(self._over) == self._over.maxlen and all(self._over)
+                     and self._over_since is not None
+                     and report.wall_time - self._over_since >= cfg.sustain_seconds)
+        if sustained:
             worst = max(sites, key=lambda s: s.forward_seconds + s.backward_seconds, default=None)
-            msg = (f"attention {observed * 1e3:.2f} ms/step is {value:.2f}x its baseline "
-                   f"{expected * 1e3:.2f} ms (median of the last 3 steps' ratios) for "
-                   f"{cfg.consecutive} steps"
-                   + (f"; largest site {worst.site} impl={worst.impl}" if worst else "")
-                   + " — check for a backend change (fadiag doctor), a new shape, or a noisy neighbour")
+            if changes:
+                site, was, now = changes[0]
+                worst = next((s for s in sites if s.site == site), worst)
+                more = f" (and {len(changes) - 1} more sites)" if len(changes) > 1 else ""
+                head = (f"site {site} switched impl {was} → {now} at the baseline's shapes{more}; "
+                        f"attention {observed * 1e3:.2f} ms/step is {value:.2f}x its baseline "
+                        f"{expected * 1e3:.2f} ms")
+                tail = " — a silent fallback: see the memory flag and fadiag doctor for why"
+            else:
+                head = (f"attention {observed * 1e3:.2f} ms/step is {value:.2f}x its baseline "
+                        f"{expected * 1e3:.2f} ms (median of the last 3 steps' ratios)")
+                tail = (f"; largest site {worst.site} impl={worst.impl}" if worst else "") + (
+                    " — check for a backend change (fadiag doctor), a new shape, or a noisy "
+                    "neighbour")
+            msg = (f"{head} for {len(self._over)} steps over "
+                   f"{report.wall_time - (self._over_since or report.wall_time):.0f} s{tail}")
             return {("regression", TOTAL): self._flag("regression", value, 1.0 + cfg.tolerance,
                                                       report.step, TOTAL, worst, msg)}
         if ("regression", TOTAL) in self.active and over:
             return {("regression", TOTAL): self.active[("regression", TOTAL)]}
+        return {}
+
+    def _calm_regression(self) -> dict[tuple[str, str], Flag]:
+        self._over.append(False)
+        self._over_since = None
         return {}
 
     # ---- hang ------------------------------------------------------------------------------
@@ -209,17 +280,23 @@ class Rules:
         if oldest_inflight_seconds > cfg.timeout_seconds:
             conditions[("hang", TOTAL)] = Flag(
                 rule="hang", value=oldest_inflight_seconds, threshold=cfg.timeout_seconds,
-                step=self._last_step + 1, site=TOTAL, rank=self.rank,
+                step=self._last_step + 1, site=TOTAL, rank=self.rank, severity="critical",
                 message=(f"an attention call has not finished after {oldest_inflight_seconds:.0f} s "
                          f"(timeout {cfg.timeout_seconds:.0f} s): the device or a collective it waits "
                          "on may be stuck — dump the stacks (py-spy dump) and check the other ranks"))
         return self._episodes(conditions, rules=("hang",), step=self._last_step + 1)
 
     def _flag(self, rule: str, value: float, threshold: float, step: int, site: str,
-              s: SiteSummary | None, message: str) -> Flag:
+              s: SiteSummary | None, message: str, severity: str = "warning",
+              band: str = "") -> Flag:
         return Flag(rule=rule, value=value, threshold=threshold, step=step, site=site,
                     message=message, impl=s.impl if s else "", shape=s.shape if s else None,
-                    rank=self.rank)
+                    rank=self.rank, severity=severity, band=band)
+
+
+def _band_label(s: SiteSummary, device: str) -> str:
+    b = band_for(s, device)
+    return "unknown" if b is None else b.label()
 
 
 def _shape_text(s: SiteSummary | None) -> str:
@@ -238,33 +315,43 @@ def _where(s: SiteSummary | None, n: int | None, n_sites: int) -> str:
     return f" ({n}/{n_sites} sites; worst {s.site}: {_shape_text(s)})"
 
 
-def _ratio_advice(r: float, threshold: float, s: SiteSummary | None, n_over: int | None,
-                  n_sites: int) -> str:
-    head = f"backward/forward {r:.2f}x > {threshold:g}x"
-    where = _where(s, n_over, n_sites)
-    if s is None:
-        why = ""
-    elif s.impl == "efficient":
-        why = (f" — mem-efficient backend at S={s.shape[2]}; flash and cuDNN are faster in both "
-               "passes (their ratio is 2.5-3.1x at S >= 4096 on an H200): use fp16/bf16 and a head "
-               "dim flash supports, or enable the cuDNN backend")
+def _ratio_advice(value: float, threshold: float, s: SiteSummary, site_value: float,
+                  n_over: int | None, n_sites: int, device: str, median: str) -> str:
+    """What the flag says: the figure, where, and whether it is what the kernel does when healthy
+    (the measured band), then what to do."""
+    head = f"backward/forward {value:.2f}x > {threshold:g}x{median}"
+    if n_over is None:
+        where = f" (site {s.site}: {_shape_text(s)})"
+    else:
+        where = f" ({n_over}/{n_sites} sites; worst {s.site} {site_value:.2f}x: {_shape_text(s)})"
+    band = band_for(s, device)
+    if band is not None and band.covers(site_value):
+        return (f"{head}{where} — within {band.describe()}: this is the kernel, not a fault; "
+                f"set rules.backward_forward_ratio.per_impl.{s.impl} (fadiag calibrate measures "
+                "it) to judge this job against its own")
+    if band is not None:
+        known = f" — beyond {band.describe()}"
+    else:
+        known = f" — no healthy range measured for {s.impl} at this shape on {device or 'this device'}"
+    if s.impl == "efficient":
+        why = (f": mem-efficient backend at S={s.shape[2]}; flash and cuDNN are faster in both "
+               "passes: use fp16/bf16 and a head dim flash supports, or enable the cuDNN backend")
     elif s.impl == "math":
-        why = " — the math path: see the memory flag for why fused kernels were not used"
+        why = ": the math path: see the memory flag for why fused kernels were not used"
+    elif s.impl == "flex_unfused":
+        why = ": flex_attention without torch.compile runs unfused; wrap it with torch.compile"
     elif s.impl not in _FUSED:
-        why = (f" — {s.impl}'s own backward is slow: check that it recomputes only what it must "
+        why = (f": {s.impl}'s own backward is slow: check that it recomputes only what it must "
                "and launches fused kernels")
     elif s.shape[2] <= 512:
-        why = (f" — short sequence (S={s.shape[2]}): the step is launch-bound and backward ≈4x forward "
-               "is normal here; raise rules.backward_forward_ratio.min_forward_seconds to ignore it")
-    elif s.shape[2] <= 2048 and s.impl in ("flash", "cudnn"):
-        why = (f" — {s.impl} at S={s.shape[2]}: backward does 2.5x forward's FLOPs, but these "
-               "kernels' backward is less efficient than their forward at short lengths (3.0-3.6x "
-               "measured on an H200 with torch 2.11, benchmarks/BENCHMARKS.md); if that is what "
-               "this job runs, raise rules.backward_forward_ratio.threshold")
+        why = (f": short sequence (S={s.shape[2]}): the step is launch-bound and backward ≈4x "
+               "forward is normal here; raise rules.backward_forward_ratio.min_forward_seconds "
+               "to ignore it")
     else:
-        why = (" — backward does 2.5x forward's FLOPs; above 3x the backward kernel is inefficient "
-               "for this shape: try another backend (fadiag bench) or a newer kernel version")
-    return head + where + why
+        why = (": backward does 2.5x forward's FLOPs; beyond its healthy range the backward kernel "
+               "is slow for this shape: try another backend (fadiag bench), a newer kernel, or "
+               "measure this job's own range (fadiag calibrate)")
+    return head + where + known + why
 
 
 def _memory_advice(m: float, threshold: float, s: SiteSummary | None, reason: str | None,
@@ -284,3 +371,31 @@ def _memory_advice(m: float, threshold: float, s: SiteSummary | None, reason: st
     else:
         why = f" — {s.impl} keeps more than O and logsumexp for backward: check what it saves"
     return head + where + why
+
+
+def _unfused_flex(report: StepReport, sites: list[SiteSummary],
+                  threshold: float) -> list[tuple[SiteSummary, float, str]]:
+    """Eager flex_attention sites whose materialized scores fall below the savings threshold.
+
+    The unfused path keeps only O and logsumexp for backward, but materializes the score matrix
+    in each pass; it is judged on that: the allocator's peak, or at least one fp32 matrix where
+    the device has no allocator figures (CPU)."""
+    out = []
+    for s in sites:
+        if s.impl != "flex_unfused" or s.calls == 0 or s.standard_bytes <= 0:
+            continue
+        peaks = [c.peak_bytes for c in report.calls if c.site == s.site and c.peak_bytes]
+        b, h, sq, sk, _ = s.shape
+        materialized = max(peaks) if peaks else scores_bytes(b, h, sq, sk,
+                                                             8 if s.dtype == "float64" else 4)
+        value = 1.0 - materialized / (s.standard_bytes / s.calls)
+        if value >= threshold:
+            continue
+        how = ("the allocator's peak" if peaks else
+               "at least one fp32 matrix: this device reports no allocator peak")
+        out.append((s, value, (
+            f"memory savings {value:.1%} < {threshold:.0%}{_where(s, None, len(sites))} — "
+            "flex_attention ran without torch.compile, so it materializes [B,H,Sq,Sk] scores "
+            f"({materialized / 2**20:.3g} MiB a call, {how}) in each pass: wrap it with "
+            "torch.compile (torch.compile(flex_attention)) to run the fused kernel")))
+    return out

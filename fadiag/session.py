@@ -42,23 +42,44 @@ _session: Session | None = None
 _instrumented: list[tuple[Any, str | None, str, int | None]] = []
 
 
+_LOGGED: dict[tuple[str, str], float] = {}
+"""When each rule last logged, by severity: kept per process, so attach() after detach() (a
+benchmark's cycles, a restarted loop) does not speak again inside the interval."""
+
+
 class LogSink(Sink):
-    """A warning on the `fadiag` logger per raised flag, at most one per rule and site per interval."""
+    """One log line per rule for the flags one step raised (sites summarized), at most one per
+    rule and severity per interval; info-severity flags (a healthy kernel) log at INFO."""
 
     def __init__(self, interval: float):
         self.interval = interval
-        self._last: dict[tuple[str, str], float] = {}
 
-    def flag(self, flag: Flag) -> None:
-        key = (flag.rule, flag.site)
+    def flags(self, flags: list[Flag]) -> None:
+        by_rule: dict[str, list[Flag]] = {}
+        for f in flags:
+            by_rule.setdefault(f.rule, []).append(f)
+        for rule, group in by_rule.items():
+            cleared = [f for f in group if f.cleared]
+            if cleared:
+                sites = ", ".join(f.site for f in cleared[:3]) + (" …" if len(cleared) > 3 else "")
+                log.info("fadiag: step %d rank %d: cleared: %s at %s", cleared[0].step,
+                         cleared[0].rank, rule, sites)
+            raised = [f for f in group if not f.cleared]
+            if raised:
+                self._log(rule, raised)
+
+    def _log(self, rule: str, raised: list[Flag]) -> None:
+        warning = any(f.severity != "info" for f in raised)
+        key = (rule, "warning" if warning else "info")
         now = time.monotonic()
-        if flag.cleared:
-            log.info("fadiag: step %d rank %d: %s", flag.step, flag.rank, flag.message)
+        if now - _LOGGED.get(key, -1e18) < self.interval:
             return
-        if now - self._last.get(key, -1e18) < self.interval:
-            return
-        self._last[key] = now
-        log.warning("fadiag: step %d rank %d: %s: %s", flag.step, flag.rank, flag.rule, flag.message)
+        _LOGGED[key] = now
+        # The worst flag speaks for the others: the highest value (the lowest for savings).
+        worst = (min if rule == "memory_savings" else max)(raised, key=lambda f: f.value)
+        more = f"{len(raised)} sites at once, the worst: " if len(raised) > 1 else ""
+        log.log(logging.WARNING if warning else logging.INFO, "fadiag: step %d rank %d: %s [%s]: %s%s",
+                worst.step, worst.rank, rule, worst.severity, more, worst.message)
 
 
 class Session:
@@ -252,8 +273,7 @@ class Session:
         self.metrics.baseline_seconds = self.rules.baseline_seconds
         self.metrics.regression_ratio = self.rules.regression_ratio
         self.sinks.emit(report)
-        for f in flags:
-            self.sinks.flag(f)
+        self.sinks.flags(flags)
 
     def _on_tick(self, oldest_inflight: float) -> None:
         self.metrics.oldest_inflight_seconds = oldest_inflight
@@ -261,8 +281,7 @@ class Session:
         for reason, total in (("sampling", rec.sampled_out), ("per_step_cap", rec.over_cap),
                               ("other_device", rec.other_device)):
             self.metrics.set_uninstrumented(reason, total)
-        for f in self.rules.check_hang(oldest_inflight):
-            self.sinks.flag(f)
+        self.sinks.flags(self.rules.check_hang(oldest_inflight))
 
     def _error(self, where: str, exc: BaseException) -> None:
         """Count an internal error; log the first one of each place, with its traceback."""

@@ -22,6 +22,11 @@ class Sink:
     def flag(self, flag: Flag) -> None:
         """A rule raised (or cleared) a flag."""
 
+    def flags(self, flags: list[Flag]) -> None:
+        """The flags one evaluation raised or cleared, together (a step's, or a hang check's)."""
+        for f in flags:
+            self.flag(f)
+
     def close(self) -> None:
         """Flush and release resources; called once by detach()."""
 
@@ -41,11 +46,23 @@ class FanOut(Sink):
                 self._on_error(f"sink {type(s).__name__}.emit", e)
 
     def flag(self, flag: Flag) -> None:
+        self.flags([flag])
+
+    def flags(self, flags: list[Flag]) -> None:
+        if not flags:
+            return
         for s in self.sinks:
+            if type(s).flags is Sink.flags:  # flag by flag, so one failure costs one delivery
+                for f in flags:
+                    try:
+                        s.flag(f)
+                    except Exception as e:
+                        self._on_error(f"sink {type(s).__name__}.flag", e)
+                continue
             try:
-                s.flag(flag)
+                s.flags(flags)
             except Exception as e:
-                self._on_error(f"sink {type(s).__name__}.flag", e)
+                self._on_error(f"sink {type(s).__name__}.flags", e)
 
     def close(self) -> None:
         for s in self.sinks:

@@ -14,6 +14,7 @@ from fadiag import session as session_mod
 def _detached():
     fadiag.detach()
     session_mod._instrumented.clear()
+    session_mod._LOGGED.clear()
     yield
     fadiag.detach()
     session_mod._instrumented.clear()

@@ -239,6 +239,27 @@ def test_float_keys_accept_integers_and_store_floats():
             "rules.backward_forward_ratio.min_forward_seconds must be a number >= 0, got -1e-06",
         ),
         (
+            "rules.backward_forward_ratio.per_impl",
+            {"cudnn": 3.7, "flash": "fast"},
+            "rules.backward_forward_ratio.per_impl.flash must be a number > 0, got 'fast'",
+        ),
+        (
+            "rules.backward_forward_ratio.per_impl",
+            3.7,
+            "rules.backward_forward_ratio.per_impl must be a mapping of impl names to numbers > 0, "
+            "got 3.7",
+        ),
+        (
+            "rules.backward_forward_ratio.host_median_steps",
+            0,
+            "rules.backward_forward_ratio.host_median_steps must be an integer >= 1, got 0",
+        ),
+        (
+            "rules.regression.sustain_seconds",
+            -1,
+            "rules.regression.sustain_seconds must be a number >= 0, got -1",
+        ),
+        (
             "rules.memory_savings.threshold",
             1.5,
             "rules.memory_savings.threshold must be a number 0..1, got 1.5",
@@ -608,7 +629,7 @@ def test_config_keys_list_every_leaf_with_its_default():
     assert keys["exporter.port"] == 9464
     assert keys["rules.hang.timeout_seconds"] == 300.0
     assert keys["rules.regression.min_increase_seconds"] == 0.0005
-    assert len(keys) == 40
+    assert len(keys) == 44
     assert keys["native"] == "auto"
 
 
@@ -722,3 +743,23 @@ def test_a_malformed_baseline_is_a_config_issue_not_a_traceback(tmp_path, conten
     baseline = write(tmp_path, content, "b.json")
     (issue,) = config_issues({"rules": {"regression": {"baseline_file": str(baseline)}}}, environ=NO_ENV)
     assert issue.key == "rules.regression.baseline_file"
+
+
+def test_per_impl_thresholds_from_a_file_and_an_override_merge_entry_by_entry(tmp_path):
+    path = tmp_path / "calibrated.yaml"
+    path.write_text("rules:\n  backward_forward_ratio:\n    per_impl: {cudnn: 3.7, flash: 4}\n")
+    cfg = load_config(path, {"rules.backward_forward_ratio.per_impl.efficient": 3.5},
+                      environ=NO_ENV)
+    assert cfg.rules.backward_forward_ratio.per_impl == {"cudnn": 3.7, "flash": 4.0,
+                                                         "efficient": 3.5}
+    assert cfg.rules.backward_forward_ratio.threshold_for("math") == 3.0
+
+
+def test_a_bad_per_impl_entry_in_a_file_names_its_line_and_its_dotted_key(tmp_path):
+    path = tmp_path / "calibrated.yaml"
+    path.write_text("rules:\n  backward_forward_ratio:\n    per_impl:\n      cudnn: 3.7\n"
+                    "      flash: -1\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(path, environ=NO_ENV)
+    assert str(e.value) == (f"{path}:5: rules.backward_forward_ratio.per_impl.flash must be a "
+                            "number > 0, got -1")
