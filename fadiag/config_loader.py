@@ -143,9 +143,14 @@ def _layers(source: object, overrides: object, environ: Mapping[str, str]) -> li
     elif overrides is not None:
         reason = f"must be a mapping of keys to values, got {_REPR.repr(overrides)}"
         layers.append(_Layer(ConfigIssue("", f"overrides {reason}", reason)))
-    if environ.get("FADIAG_DISABLE", "").strip().lower() in _TRUE:
+    if disabled_by_environment(environ):
         layers.append(_Layer({"enabled": False}))
     return layers
+
+
+def disabled_by_environment(environ: Mapping[str, str] = os.environ) -> bool:
+    """Whether FADIAG_DISABLE switches fadiag off (1, true, yes or on)."""
+    return environ.get("FADIAG_DISABLE", "").strip().lower() in _TRUE
 
 
 def _override(key: object, value: object) -> object:
