@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from .. import baseline
-from ..errors import BaselineError
+from ..errors import BaselineError, RunLogError
 from ..jsonl import read_run
 from . import _args
 
@@ -18,7 +18,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "rules.regression.baseline_file.")
     verbs = p.add_subparsers(dest="verb", metavar="VERB", required=True)
     save = verbs.add_parser("save", help="build a baseline from a run's JSONL log")
-    save.add_argument("run", type=_args.existing_file, help="a fadiag-rank<R>.jsonl file")
+    save.add_argument("run", type=_args.existing_file,
+                      help="a fadiag-rank<R>.jsonl file (or .jsonl.gz)")
     save.add_argument("-o", "--output", type=_args.output_file, required=True,
                       help="baseline file to write (JSON)")
     save.add_argument("--skip", type=_args.integer(0), default=10,
@@ -39,7 +40,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"wrote {args.output}: {len(b.entries)} sites from {b.steps} steps on {device}")
             return 0
         b = baseline.load(args.file)
-    except BaselineError as e:
+    except (BaselineError, RunLogError) as e:
         print(f"fadiag baseline: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # the arguments were checked; a read or write can still fail
