@@ -347,6 +347,7 @@ class Config:
     }
 
     enabled: bool = True
+        "tap": Check("one of auto|on|off", lambda v: isinstance(v, bool) or v in ("auto", "on", "off")),
     """False: attach() returns a session that patches nothing."""
     device: str = "auto"
     """Timing backend: auto (each tensor's device), cpu, cuda or npu."""
@@ -358,14 +359,21 @@ class Config:
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     interceptors: InterceptorsConfig = field(default_factory=InterceptorsConfig)
     steps: StepsConfig = field(default_factory=StepsConfig)
+    tap: str = "auto"
+    """The dispatcher tap (fadiag/tap.py): measures the fused attention ops that no Python wrapper
+    sees (torch.compile'd code). auto: the native extension is built or loaded in the background
+    and the tap installed at the first step boundary after; on: built at attach(), waiting for
+    it; off: compiled attention is not measured. Needs torch >= 2.9 and a C++ compiler."""
     rules: RulesConfig = field(default_factory=RulesConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     jsonl: JsonlConfig = field(default_factory=JsonlConfig)
     log: LogConfig = field(default_factory=LogConfig)
 
     def __post_init__(self) -> None:
-        if isinstance(self.native, bool):
-            object.__setattr__(self, "native", "on" if self.native else "off")
+        for name in ("native", "tap"):
+            value = getattr(self, name)
+            if isinstance(value, bool):
+                object.__setattr__(self, name, "on" if value else "off")
         _validate(self)
 
     def to_dict(self) -> dict[str, Any]:

@@ -36,6 +36,7 @@ ALIASES: Mapping[str, str] = {
     "jsonl": "jsonl.path",
     "device": "device",
     "native": "native",
+    "tap": "tap",
     "enabled": "enabled",
     "every_n_steps": "sampling.every_n_steps",
     "per_site": "exporter.per_site",

@@ -20,7 +20,9 @@ from types import ModuleType
 
 log = logging.getLogger("fadiag")
 
-SOURCE = Path(__file__).parent / "_native" / "marks.cpp"
+SOURCES = tuple(Path(__file__).parent / "_native" / name for name in ("marks.cpp", "tap.cpp"))
+"""marks.cpp: the marks and autograd hooks; tap.cpp: the dispatcher tap (fadiag/tap.py); both
+share _native/pool.h."""
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}
@@ -160,7 +162,8 @@ def _build(kind: str) -> ModuleType:
         clear_stale_lock(folder)
     cuda = kind == "cuda"
     flags = ["-O2", "-DFADIAG_CUDA"] if cuda else ["-O2"]
-    return cpp_extension.load(name=module_name(kind), sources=[str(SOURCE)], extra_cflags=flags,
+    return cpp_extension.load(name=module_name(kind), sources=[str(p) for p in SOURCES],
+                              extra_cflags=flags,
                               with_cuda=cuda, verbose=False)
 
 

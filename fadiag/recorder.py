@@ -115,13 +115,16 @@ class Call:
 class ClosedStep:
     """A step's calls, handed to the resolver."""
 
-    __slots__ = ("index", "calls", "wall_time", "closed", "device")
+    __slots__ = ("index", "calls", "wall_time", "closed", "device", "unmeasured")
 
-    def __init__(self, index: int, calls: list[Call], device: int | None):
+    def __init__(self, index: int, calls: list[Call], device: int | None,
+                 unmeasured: dict[str, int] | None = None):
         self.index = index
         self.calls = calls
         self.wall_time = time.time()
         self.closed = time.monotonic()
+        self.unmeasured = unmeasured or {}
+        """Attention calls of the step seen and not measured, by reason."""
         self.device = device
         """The training thread's current device, for the step's allocator figures: the resolver
         thread's own current device is device 0 (CUDA's current device is per thread)."""
@@ -156,6 +159,8 @@ class Recorder:
         one process): marks go on the current device's stream, so these are not measured."""
         self._current_devices: dict[str, Any] = {}  # device kind -> current index, this step
         self.signatures: dict[Any, Signature] = {}
+        self.unmeasured: dict[str, int] = {}
+        """Calls not measured, by reason, counted by an op's own code (flex: ``compiling``)."""
         self.backward_seen = False
         self.in_backward = 0
         self.compiled_autograd_configured = False
@@ -181,6 +186,12 @@ class Recorder:
         self._fast_op: AttentionOp | None = None
         self._lock = threading.Lock()
 
+        self.tap: Any = None
+        """The dispatcher tap (fadiag/tap.py) once installed: its calls join each step's."""
+        self.pending: Callable[[], None] | None = None
+        """Work for the training thread at the next boundary (installing the tap: registering
+        kernels while another thread dispatches ops is not safe)."""
+        self._unmeasured_seen: dict[str, int] = {}
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
@@ -188,6 +199,8 @@ class Recorder:
         self.measuring = self._sampled(self.step_index)
         self._read_config()
 
+        if self.tap is not None:
+            self.tap.set_measuring(self.measuring)
     def stop(self) -> None:
         self.enabled = False
         self.measuring = False
@@ -213,27 +226,36 @@ class Recorder:
                 return original(*args, **kwargs)
             if rec.depth or not rec.enabled:
                 return original(*args, **kwargs)
-            rec.calls_since_boundary += 1
-            if not rec.measuring:
-                rec.sampled_out += 1
-                return original(*args, **kwargs)
-            call = rec.begin(op, args, kwargs)
-            if call is None:
-                return original(*args, **kwargs)
-            rec.depth += 1
+            tap = rec.tap
+            if tap is not None:
+                if tap.capturing:  # a CUDA graph capture: no marks; the tap counts its replays
+                    return original(*args, **kwargs)
+                tap.enter()  # this call is Python's to measure: the fused op passes the tap
             try:
-                if call.probe:
-                    out = rec.probe_forward(call, original, args, kwargs)
-                else:
-                    out = original(*args, **kwargs)
-            except BaseException:
-                call.aborted = True
-                call.info = call.qkv = None
-                raise
+                rec.calls_since_boundary += 1
+                if not rec.measuring:
+                    rec.sampled_out += 1
+                    return original(*args, **kwargs)
+                call = rec.begin(op, args, kwargs)
+                if call is None:
+                    return original(*args, **kwargs)
+                rec.depth += 1
+                try:
+                    if call.probe:
+                        out = rec.probe_forward(call, original, args, kwargs)
+                    else:
+                        out = original(*args, **kwargs)
+                except BaseException:
+                    call.aborted = True
+                    call.info = call.qkv = None
+                    raise
+                finally:
+                    rec.depth -= 1
+                rec.end(call, op, out)
+                return out
             finally:
-                rec.depth -= 1
-            rec.end(call, op, out)
-            return out
+                if tap is not None:
+                    tap.exit()
 
         fadiag_attention.__wrapped_by_fadiag__ = True  # type: ignore[attr-defined]
         return fadiag_attention
@@ -538,7 +560,8 @@ class Recorder:
     # ---- steps -----------------------------------------------------------------------------
 
     def boundary(self, source: str) -> None:
-        """End the current step; ignored when no attention ran since the last boundary."""
+        """End the current step. One with no attention is reported only at an optimizer step
+        (it still counts as a step); other boundaries without attention are ignored."""
         try:
             if source in ("optimizer", "manual") and not self.optimizer_seen:
                 self.optimizer_seen = True
@@ -547,11 +570,18 @@ class Recorder:
                 merged = [c for phase in self._phases for c in phase]
                 self.calls = merged + self.calls
                 self._phases = []
-            if not self.calls_since_boundary and not self.calls:
+            tap = self.tap
+            if tap is not None:
+                self.calls.extend(tap.drain(Call, self.record_no_grad))
+            # An optimizer step is a step (fadiag_steps_total) even with no attention measured.
+            empty_step = source == "optimizer" and self.measuring
+            if not self.calls_since_boundary and not self.calls and not empty_step:
+                self._run_pending()
                 return
             closed = None
-            if self.calls:
-                closed = ClosedStep(self.step_index, self.calls, self._step_device())
+            if self.calls or empty_step:
+                closed = ClosedStep(self.step_index, self.calls, self._step_device(),
+                                    self._unmeasured_since())
             self.calls = []
             self.calls_since_boundary = 0
             self._site_counts.clear()
@@ -572,6 +602,9 @@ class Recorder:
             if closed is not None:  # an unsampled step has nothing to resolve
                 self._on_step(closed)
         except Exception as e:
+            if tap is not None:
+                tap.set_measuring(self.measuring)
+            self._run_pending()
             self._on_error("recorder.boundary", e)
 
     def _check_native_hooks(self, source: str) -> None:
@@ -579,6 +612,27 @@ class Recorder:
         the backward ran where C++ hooks are not called (compiled autograd switched on around
         `backward()` alone, which the forward cannot see), or it never reached attention. After
         a few such steps in a row, later calls get Python hooks, which compiled autograd runs."""
+    def unmeasured_totals(self) -> dict[str, int]:
+        """Attention calls seen and not measured since start, by reason (cumulative)."""
+        totals = {"sampling": self.sampled_out, "per_step_cap": self.over_cap,
+                  "other_device": self.other_device, **self.unmeasured}
+        if self.tap is not None:
+            for reason, n in self.tap.counts().items():
+                if reason != "errors":
+                    totals[reason] = totals.get(reason, 0) + n
+        return totals
+
+    def _unmeasured_since(self) -> dict[str, int]:
+        """What unmeasured_totals() gained since the last boundary (reasons that moved)."""
+        totals = self.unmeasured_totals()
+        before, self._unmeasured_seen = self._unmeasured_seen, totals
+        return {k: v - before.get(k, 0) for k, v in totals.items() if v != before.get(k, 0)}
+
+    def _run_pending(self) -> None:
+        work, self.pending = self.pending, None
+        if work is not None:
+            work()
+
         timers = self.devices.native_timers
         starts = sum(t.backward_starts() for t in timers)
         if source == "optimizer" and self._native_hooked:

@@ -168,6 +168,9 @@ class StepReport(Figures):
             "standard_bytes": self.standard_bytes,
             "memory_savings": self.memory_savings,
             "peak_bytes": self.peak_bytes,
+    unmeasured: dict[str, int] = field(default_factory=dict)
+    """Attention calls of this step that fadiag saw and did not measure, by reason
+    (``cuda_graph``: replayed inside a CUDA graph; ``sampling``; ``per_step_cap``; …)."""
             "step_peak_bytes": self.step_peak_bytes,
             "calls": [c.to_dict() for c in self.calls],
             "flags": [f.to_dict() for f in self.flags],
@@ -185,6 +188,7 @@ class StepReport(Figures):
             step_peak_bytes=d.get("step_peak_bytes"),
             calls=[CallRecord.from_dict(c) for c in d.get("calls", [])],
             flags=[Flag.from_dict(f) for f in d.get("flags", [])],
+            "unmeasured": dict(self.unmeasured),
             rank=int(d.get("rank", 0)),
             wall_time=float(d.get("wall_time", 0.0)),
             recompute_seconds=float(d.get("recompute_seconds", 0.0)),
@@ -210,6 +214,7 @@ def summarize(calls: list[CallRecord]) -> list[SiteSummary]:
 
 
 def ratio(backward: float, forward: float) -> float | None:
+            unmeasured={str(k): int(v) for k, v in (d.get("unmeasured") or {}).items()},
     """backward / forward, or None when there is no forward time to divide by."""
     if forward <= 0.0 or backward <= 0.0:
         return None

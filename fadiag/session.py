@@ -34,6 +34,8 @@ from .records import Flag, StepReport
 from .resolver import Resolver
 from .rules import Rules
 from .sinks import CallbackSink, FanOut, Sink
+from .tap import Tap
+from .tap import supported as tap_supported
 
 log = logging.getLogger("fadiag")
 
@@ -107,6 +109,10 @@ class Session:
         self._hf_wrapped = False
         self._server: Server | None = None
         self.port: int | None = None
+        self._closed = False
+        self.tap_status = "off" if config.tap == "off" else "not loaded"
+        """The dispatcher tap: "installed", "loading", "off", "not loaded" or "unavailable: …"."""
+        self._tap_errors = 0
         self.devices = Devices(config.device, config.native)
         device_type = default_device_type() if config.device == "auto" else config.device
         self.device_name = self.devices.name() if config.device == "auto" else config.device
@@ -177,6 +183,61 @@ class Session:
         self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
 
     def _patch_op(self, op: AttentionOp, import_missing: bool) -> None:
+        self._start_tap()
+
+    def _start_tap(self) -> None:
+        """The dispatcher tap for attention no Python wrapper sees (fadiag/tap.py), as `tap` says."""
+        mode = self.config.tap
+        if mode == "off":
+            return
+        why = tap_supported()
+        if why is not None:
+            self._tap_unavailable(why)
+            return
+        from . import native
+
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        if mode == "on":
+            ext = native.load(kind)
+            if ext is None:
+                self._tap_unavailable(native.status(kind))
+            else:
+                self._install_tap(ext)
+            return
+        self.tap_status = "loading"
+        attaching = threading.get_ident()
+
+        def ready(ext: Any) -> None:
+            if threading.get_ident() == attaching:  # already loaded: install now
+                self._install_tap(ext)
+            elif not self._closed:  # on the build thread: install on the training thread
+                self.recorder.pending = lambda: self._install_tap(ext)
+
+        native.load_in_background(kind, ready)
+        if native.status(kind).startswith("unavailable"):
+            self._tap_unavailable(native.status(kind))
+
+    def _install_tap(self, ext: Any) -> None:
+        if self._closed or self.recorder.tap is not None:
+            return
+        if not getattr(ext, "tap", False):
+            self._tap_unavailable("the native extension was built without it (torch < 2.9)")
+            return
+        try:
+            tap = Tap(ext, self.config.steps.max_calls_per_step)
+            tap.install()
+        except Exception as e:
+            self._error("tap install", e)
+            self._tap_unavailable(f"{type(e).__name__}: {e}")
+            return
+        tap.set_measuring(self.recorder.measuring)
+        self.recorder.tap = tap
+        self.tap_status = "installed"
+
+    def _tap_unavailable(self, why: str) -> None:
+        self.tap_status = f"unavailable: {why.removeprefix('unavailable: ')}"
+        log.warning("fadiag: the dispatcher tap is unavailable (%s): attention in torch.compile'd "
+                    "code is not measured; eager code is measured as usual", why)
         done: set[int] = set()
         for target in op.targets:
             found = resolve_target(target, import_missing)
@@ -237,12 +298,20 @@ class Session:
         self.recorder.stop()
         if self._optimizer_hook is not None:
             self._optimizer_hook.remove()
+        self._closed = True
             self._optimizer_hook = None
+        self.recorder.pending = None
         self._patcher.restore()
         self.recorder.boundary("detach")
         self.devices.close()
         self.resolver.stop()
         if self._server is not None:
+        tap, self.recorder.tap = self.recorder.tap, None
+        if tap is not None:
+            try:
+                tap.uninstall()
+            except Exception as e:
+                self._error("tap uninstall", e)
             self._server.close()
             self._server = None
         self.sinks.close()
@@ -278,12 +347,18 @@ class Session:
     def _on_tick(self, oldest_inflight: float) -> None:
         self.metrics.oldest_inflight_seconds = oldest_inflight
         rec = self.recorder
-        for reason, total in (("sampling", rec.sampled_out), ("per_step_cap", rec.over_cap),
-                              ("other_device", rec.other_device)):
+        for reason, total in rec.unmeasured_totals().items():
             self.metrics.set_uninstrumented(reason, total)
         self.sinks.flags(self.rules.check_hang(oldest_inflight))
 
     def _error(self, where: str, exc: BaseException) -> None:
+        tap = rec.tap
+        if tap is not None:
+            errors = tap.counts()["errors"]
+            if errors > self._tap_errors:
+                self._error("tap", RuntimeError(f"{errors - self._tap_errors} call(s) failed in "
+                                                "the dispatcher tap"))
+                self._tap_errors = errors
         """Count an internal error; log the first one of each place, with its traceback."""
         self.errors += 1
         if hasattr(self, "metrics"):
@@ -330,6 +405,7 @@ class _DisabledSession(Session):
 
     def _start(self) -> None:
         pass
+        self.tap_status = "off"
 
     def close(self) -> None:
         pass

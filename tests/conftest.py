@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+import torch
 
 import fadiag
 from fadiag import session as session_mod
@@ -19,3 +20,13 @@ def _detached():
     fadiag.detach()
     session_mod._instrumented.clear()
     logging.getLogger("fadiag").setLevel(logging.NOTSET)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _native_extension():
+    """Build (or load) the native extension once, so that the dispatcher tap's default (`auto`)
+    installs it at attach() in every test, as it does in a process where it is already built."""
+    from fadiag import native
+
+    if all(native.toolchain().values()):
+        native.load("cuda" if torch.cuda.is_available() else "cpu")

@@ -253,3 +253,57 @@ def test_calls_on_a_side_stream_are_timed_on_that_stream(marks):
     # include the 1 ms busy kernel
     assert 0.05e-3 < call.forward_seconds < 0.9e-3, call.forward_seconds
     assert session.errors == 0
+
+
+# ---- torch.compile: the dispatcher tap ---------------------------------------------------------
+
+
+def _compiled_gpt_step(mode: str | None = None):
+    torch.manual_seed(0)
+    model = GPT(layers=4, dim=256, heads=4).cuda().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    run = torch.compile(model, mode=mode)
+    tokens = torch.randint(0, 64, (4, 512), device="cuda")
+
+    def step() -> float:
+        logits = run(tokens)
+        loss = F.cross_entropy(logits.view(-1, 64).float(), tokens.view(-1))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
+@pytest.mark.parametrize("backend", [SDPBackend.FLASH_ATTENTION, SDPBackend.CUDNN_ATTENTION,
+                                     SDPBackend.EFFICIENT_ATTENTION])
+def test_compiled_model_reports_every_call_with_the_impl_that_ran(backend):
+    torch._dynamo.reset()
+    impl = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.CUDNN_ATTENTION: "cudnn",
+            SDPBackend.EFFICIENT_ATTENTION: "efficient"}[backend]
+    session = fadiag.attach(port=0, tap="on")
+    assert session.tap_status == "installed"
+    with sdpa_kernel(backend):
+        step = _compiled_gpt_step()
+        for _ in range(4):
+            step()
+    assert session.flush(30)
+    report = session.last_step()
+    assert [c.site for c in report.calls] == [f"compiled#{i}" for i in range(4)]
+    assert {c.impl for c in report.calls} == {impl}
+    assert all(c.forward_seconds > 0 and c.backward_seconds > 0 for c in report.calls)
+    assert all(c.kept_bytes and c.kept_bytes < c.standard_bytes for c in report.calls)
+    assert session.errors == 0
+
+
+def test_cuda_graph_replays_of_compiled_attention_are_counted():
+    torch._dynamo.reset()
+    session = fadiag.attach(port=0, tap="on")
+    step = _compiled_gpt_step("reduce-overhead")
+    for _ in range(8):
+        step()
+    assert session.flush(30)
+    totals = session.recorder.unmeasured_totals()
+    assert totals.get("cuda_graph", 0) >= 4, totals  # 4 layers' forwards, per replay
+    assert session.errors == 0

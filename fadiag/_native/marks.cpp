@@ -19,6 +19,8 @@
 #include <torch/csrc/autograd/function_hook.h>
 #include <torch/csrc/autograd/python_variable.h>
 
+#include "pool.h"
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -40,254 +42,8 @@
 
 namespace {
 
+using fadiag::Pool;
 using torch::autograd::variable_list;
-
-constexpr int64_t kChunk = 1024;
-constexpr int64_t kMaxChunks = 1024;  // a million slots: far beyond any step's calls
-
-struct Slot {
-  std::atomic<uint32_t> generation{0};
-  std::atomic<bool> recorded{false};
-  int64_t host_ns = 0;
-#ifdef FADIAG_CUDA
-  cudaEvent_t event = nullptr;
-  int device = -1;
-#endif
-};
-
-class Pool {
- public:
-  explicit Pool(bool cuda) : cuda_(cuda) {
-#ifndef FADIAG_CUDA
-    TORCH_CHECK(!cuda, "fadiag native marks were built without CUDA");
-#endif
-    for (auto& c : chunks_) c.store(nullptr);
-  }
-
-  ~Pool() {
-    for (auto& c : chunks_) {
-      Slot* chunk = c.load();
-      if (chunk == nullptr) continue;
-#ifdef FADIAG_CUDA
-      for (int64_t i = 0; i < kChunk; ++i) {
-        if (chunk[i].event != nullptr) cudaEventDestroy(chunk[i].event);
-      }
-#endif
-      delete[] chunk;
-    }
-  }
-
-  // Make slots [0, n) exist. Called from Python (under the GIL) before handing a slot out.
-  void ensure(int64_t n) {
-    TORCH_CHECK(n >= 1 && n <= kChunk * kMaxChunks, "fadiag marks out of range: ", n);
-    const int64_t last = (n - 1) / kChunk;
-    if (chunks_[last].load(std::memory_order_acquire) != nullptr) return;
-    for (int64_t c = 0; c <= last; ++c) {
-      if (chunks_[c].load(std::memory_order_acquire) == nullptr) {
-        chunks_[c].store(new Slot[kChunk], std::memory_order_release);
-      }
-    }
-  }
-
-  // Take a mark now. Never throws (hooks call it): failures go to the error counter.
-  bool mark(int64_t slot, uint32_t generation, bool check_generation) noexcept {
-    Slot* s = at(slot);
-    if (s == nullptr) {
-      errors_.fetch_add(1);
-      return false;
-    }
-    if (check_generation && s->generation.load(std::memory_order_acquire) != generation) {
-      return false;  // the slot was released and reused: this hook's call is long gone
-    }
-    if (cuda_) {
-#ifdef FADIAG_CUDA
-      int device = 0;
-      if (cudaGetDevice(&device) != cudaSuccess || !ensure_event(s, device)) {
-        cudaGetLastError();
-        errors_.fetch_add(1);
-        return false;
-      }
-      cudaStream_t stream =
-          c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-      if (cudaEventRecord(s->event, stream) != cudaSuccess) {
-        cudaGetLastError();
-        errors_.fetch_add(1);
-        return false;
-      }
-#endif
-    } else {
-      s->host_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                       std::chrono::steady_clock::now().time_since_epoch())
-                       .count();
-    }
-    s->recorded.store(true, std::memory_order_release);
-    return true;
-  }
-
-  // A free slot (existing or new). Slots are handed out and given back from Python threads; the
-  // mutex keeps the free list sound whoever holds the GIL.
-  int64_t take() {
-    std::lock_guard<std::mutex> lock(slots_mu_);
-    if (!free_.empty()) {
-      const int64_t s = free_.back();
-      free_.pop_back();
-      return s;
-    }
-    ensure(next_ + 1);
-    return next_++;
-  }
-
-  // A free slot, marked now.
-  int64_t take_marked() {
-    const int64_t s = take();
-    mark(s, 0, false);
-    return s;
-  }
-
-  void give_back(int64_t slot) {
-    if (at(slot) == nullptr) return;
-    release(slot);
-    std::lock_guard<std::mutex> lock(slots_mu_);
-    free_.push_back(slot);
-  }
-
-  int64_t slots() {
-    std::lock_guard<std::mutex> lock(slots_mu_);
-    return next_;
-  }
-
-  // Slots handed out by take() and not given back yet.
-  int64_t in_use() {
-    std::lock_guard<std::mutex> lock(slots_mu_);
-    return next_ - static_cast<int64_t>(free_.size());
-  }
-
-  bool recorded(int64_t slot) const {
-    const Slot* s = at(slot);
-    return s != nullptr && s->recorded.load(std::memory_order_acquire);
-  }
-
-  // True once the device has passed the mark (an event query; no synchronisation).
-  bool done(int64_t slot) {
-    Slot* s = at(slot);
-    if (s == nullptr || !s->recorded.load(std::memory_order_acquire)) return false;
-    if (!cuda_) return true;
-#ifdef FADIAG_CUDA
-    cudaError_t r = cudaEventQuery(s->event);
-    if (r == cudaSuccess) return true;
-    cudaGetLastError();
-    TORCH_CHECK(r == cudaErrorNotReady, "cudaEventQuery: ", cudaGetErrorString(r));
-#endif
-    return false;
-  }
-
-  // Seconds between two done marks; call only after done() was true for both.
-  double elapsed(int64_t a, int64_t b) {
-    Slot* sa = at(a);
-    Slot* sb = at(b);
-    TORCH_CHECK(sa != nullptr && sb != nullptr, "unknown fadiag mark");
-    if (!cuda_) return static_cast<double>(sb->host_ns - sa->host_ns) * 1e-9;
-#ifdef FADIAG_CUDA
-    float ms = 0.0f;
-    cudaError_t r = cudaEventElapsedTime(&ms, sa->event, sb->event);
-    if (r != cudaSuccess) {
-      cudaGetLastError();
-      TORCH_CHECK(false, "cudaEventElapsedTime: ", cudaGetErrorString(r));
-    }
-    return static_cast<double>(ms) * 1e-3;
-#else
-    return 0.0;
-#endif
-  }
-
-  // The slot may be handed out again; hooks still holding it are disarmed.
-  void release(int64_t slot) {
-    Slot* s = at(slot);
-    if (s == nullptr) return;
-    s->recorded.store(false, std::memory_order_release);
-    s->generation.fetch_add(1, std::memory_order_acq_rel);
-  }
-
-  uint32_t generation(int64_t slot) const {
-    const Slot* s = at(slot);
-    return s == nullptr ? 0 : s->generation.load(std::memory_order_acquire);
-  }
-
-  int64_t events_created() const { return created_.load(); }
-  int64_t errors() const { return errors_.load(); }
-  int64_t backward_starts() const { return backward_starts_.load(); }
-  int64_t in_backward() const { return in_backward_.load(); }
-  void backward_started() {
-    in_backward_.fetch_add(1);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      backward_starts_.fetch_add(1);
-      if (armed_.load() > 0) window_.store(true);
-    }
-    cv_.notify_all();
-  }
-
-  void backward_ended() {
-    int64_t v = in_backward_.load();
-    while (v > 0 && !in_backward_.compare_exchange_weak(v, v - 1)) {
-    }
-  }
-
-  // The backward window: open from a hooked backward's start until every hooked call's backward
-  // has ended (or its graph was freed without one). While it is open the training thread is
-  // blocked in backward() with the GIL released, so work done then takes nothing from the step.
-  void armed() { armed_.fetch_add(1); }
-  void disarmed() {
-    if (armed_.fetch_sub(1) <= 1) window_.store(false);
-  }
-  bool window() const { return window_.load(); }
-
-  // Block (the caller has released the GIL) until the window is open or `timeout_s` passes.
-  bool wait_window(double timeout_s) {
-    std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
-                        [&] { return window_.load(); });
-  }
-
-  // A step boundary: whatever backward ran is over.
-  void reset_in_backward() {
-    in_backward_.store(0);
-    window_.store(false);
-  }
-
- private:
-  Slot* at(int64_t slot) const {
-    if (slot < 0 || slot >= kChunk * kMaxChunks) return nullptr;
-    Slot* chunk = chunks_[slot / kChunk].load(std::memory_order_acquire);
-    return chunk == nullptr ? nullptr : &chunk[slot % kChunk];
-  }
-
-#ifdef FADIAG_CUDA
-  bool ensure_event(Slot* s, int device) {
-    if (s->event != nullptr && s->device == device) return true;
-    if (s->event != nullptr) cudaEventDestroy(s->event);
-    s->event = nullptr;
-    if (cudaEventCreateWithFlags(&s->event, cudaEventDefault) != cudaSuccess) return false;
-    s->device = device;
-    created_.fetch_add(1);
-    return true;
-  }
-#endif
-
-  bool cuda_;
-  std::atomic<Slot*> chunks_[kMaxChunks];
-  std::atomic<int64_t> created_{0};
-  std::atomic<int64_t> errors_{0};
-  std::atomic<int64_t> backward_starts_{0};
-  std::atomic<int64_t> in_backward_{0};
-  std::atomic<int64_t> armed_{0};
-  std::atomic<bool> window_{false};
-  std::mutex mu_;
-  std::condition_variable cv_;
-  std::mutex slots_mu_;
-  std::vector<int64_t> free_;
-  int64_t next_ = 0;
-};
 
 // Backward start: the first time the node runs, before its kernels are queued.
 struct StartHook : torch::autograd::FunctionPreHook {
@@ -662,6 +418,10 @@ class FastBegin {
 
 }  // namespace
 
+namespace fadiag {
+void bind_tap(pybind11::module_& m);  // tap.cpp
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.doc() = "fadiag timing marks taken in C++ (forward marks and autograd node hooks)";
 #ifdef FADIAG_CUDA
@@ -669,6 +429,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #else
   m.attr("cuda") = false;
 #endif
+  // The pool behind a Marks object, for the dispatcher tap (its records use the same slots).
+  pybind11::class_<Pool, std::shared_ptr<Pool>>(m, "Pool");
   pybind11::class_<Marks>(m, "Marks")
       .def(pybind11::init<bool>(), pybind11::arg("cuda"))
       .def("ensure", &Marks::ensure)
@@ -692,7 +454,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("reset_in_backward", &Marks::reset_in_backward)
       .def("window", &Marks::window)
       .def("wait_window", &Marks::wait_window,
-           pybind11::call_guard<pybind11::gil_scoped_release>());
+           pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("pool", &Marks::pool);
+  fadiag::bind_tap(m);
 #if PY_VERSION_HEX >= 0x030B0000
   pybind11::class_<FastBegin>(m, "FastBegin")
       .def(pybind11::init<Marks&, pybind11::object, const std::string&, pybind11::dict,

@@ -1,0 +1,537 @@
+// The dispatcher tap: a wrapping kernel around each fused attention op's registered kernel.
+//
+// Compiled code (inductor's Python wrapper, AOTAutograd) calls the fused SDPA ops and their
+// backward ops through the dispatcher, where no Python wrapper runs. The tap registers, for each
+// op and backend key it is given, a boxed kernel that keeps the kernel it replaces and calls it:
+// a mark before, a mark after, and a record of what the call was (shape, dtype, causal, dropout,
+// whether it ran inside a backward pass). A backward op is paired with its forward by the
+// logsumexp (or output) tensor it receives, and what it receives besides q, k, v and the incoming
+// gradient is exactly what the forward kept for it. Records wait in a log that Python drains at
+// each step boundary. Destroying the registrations (uninstall) gives every op back the kernel it
+// had: the dispatcher keeps the replaced kernel and makes it current again.
+//
+// Nothing here takes the GIL on the call path, and nothing thrown by fadiag reaches the caller:
+// the op's own errors pass through unchanged, fadiag's are counted.
+
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/core/stack.h>
+#include <c10/core/DispatchKey.h>
+#include <c10/util/Exception.h>
+#include <torch/csrc/DynamicTypes.h>
+#include <torch/csrc/autograd/graph_task.h>
+#include <torch/extension.h>
+#include <torch/library.h>
+
+#include <limits>
+#include <map>
+#include <optional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#ifdef FADIAG_CUDA
+#include <c10/cuda/CUDAGraphsC10Utils.h>
+#include <c10/cuda/CUDAGuard.h>
+#endif
+
+#include "pool.h"
+
+// getComputedKernelForDispatchKey (the kernel a wrapper calls) came with torch 2.9.
+#include <torch/version.h>
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 9)
+#define FADIAG_TAP 1
+#endif
+
+namespace fadiag {
+
+#ifdef FADIAG_TAP
+namespace {
+
+namespace py = pybind11;
+
+// What Python read from one op's schema: where its arguments and results are.
+struct Spec {
+  std::string name;      // "aten::_scaled_dot_product_flash_attention"
+  std::string overload;  // "" for the default overload
+  std::string key;       // the backend key wrapped: "CPU", "CUDA", "PrivateUse1"
+  int64_t op = 0;        // Python's index of the op in its table
+  bool backward = false;
+  bool bshd = false;     // (B, S, H, D) tensors, or packed (T, H, D) with cumulative lengths
+  int64_t q = 0, k = 1, v = 2;
+  int64_t causal = -1, dropout = -1, scale = -1;  // argument indices; -1: the op has none
+  int64_t cu_q = -1, max_q = -1, max_k = -1;      // packed sequences
+  int64_t out = 0, lse = 1;  // forward: result indices; backward: argument indices
+  std::vector<int64_t> kept;  // backward: the arguments that are what the forward kept
+};
+
+// One forward call, and its backward once that ran.
+struct Record {
+  int64_t op = 0;
+  int64_t f0 = -1, f1 = -1, b0 = -1, b1 = -1;
+  int64_t b = 0, h = 0, sq = 0, sk = 0, d = 0, dv = 0, kv_heads = 0;
+  at::ScalarType dtype = at::kFloat;
+  c10::DeviceType device_type = c10::DeviceType::CPU;
+  int64_t device_index = -1;
+  bool causal = false;
+  double dropout = 0.0;
+  double scale = std::numeric_limits<double>::quiet_NaN();
+  bool recompute = false;
+  int64_t phase = 0;
+  int64_t kept = -1;
+  bool cuda = false;
+};
+
+constexpr int64_t kUnmeasured = -2;  // a forward measured by Python, or not at all: its backward too
+
+thread_local int t_depth = 0;   // inside a tapped op: the ops it calls pass through
+thread_local int t_python = 0;  // inside a call that the Python wrapper measures
+
+struct Quiet : c10::WarningHandler {
+  // Registering over an existing kernel warns once; fadiag says what it did in its own log.
+  void process(const c10::Warning& /*warning*/) override {}
+};
+
+class TapState {
+ public:
+  TapState(std::shared_ptr<Pool> cpu, std::shared_ptr<Pool> cuda, int64_t max_records)
+      : cpu_(std::move(cpu)), cuda_(std::move(cuda)), max_records_(max_records) {}
+
+  std::vector<Spec> specs;
+
+  void call(int64_t i, const c10::SafeKernelFunction& original, const c10::OperatorHandle& op,
+            c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    if (t_depth > 0) {  // the op a tapped op calls (flash's _flash_attention_forward, ...)
+      original.callBoxed(op, ks, stack);
+      return;
+    }
+    ++t_depth;
+    struct Leave {
+      ~Leave() { --t_depth; }
+    } leave;
+    const Spec& s = specs[static_cast<size_t>(i)];
+    if (s.backward) {
+      backward(s, original, op, ks, stack);
+    } else {
+      forward(s, original, op, ks, stack);
+    }
+  }
+
+  void set_measuring(bool on) { measuring_.store(on, std::memory_order_relaxed); }
+
+  // Every record since the last drain, as tuples (see Tap.drain in fadiag/tap.py).
+  py::list drain() {
+    std::vector<Record> records;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      records.swap(records_);
+      first_id_ = next_id_;
+      by_ptr_.clear();
+      phase_ = 0;
+      backward_since_forward_ = false;
+    }
+    py::list out;
+    for (const Record& r : records) {
+      py::object dtype = py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(r.dtype)));
+      out.append(py::make_tuple(
+          r.op, r.f0, r.f1, r.b0 < 0 ? py::object(py::none()) : py::object(py::int_(r.b0)),
+          r.b1 < 0 ? py::object(py::none()) : py::object(py::int_(r.b1)),
+          py::make_tuple(r.b, r.h, r.sq, r.sk, r.d), r.dv, r.kv_heads, dtype,
+          c10::DeviceTypeName(r.device_type, /*lower_case=*/true), r.device_index, r.causal,
+          r.dropout, r.scale, r.recompute, r.phase,
+          r.kept < 0 ? py::object(py::none()) : py::object(py::int_(r.kept)), r.cuda));
+    }
+    return out;
+  }
+
+  py::dict counts() const {
+    py::dict d;
+    d["sampling"] = sampled_.load();
+    d["per_step_cap"] = over_cap_.load();
+    d["captured"] = captured_.load();
+    d["unpaired_backward"] = unpaired_.load();
+    d["other_device"] = other_device_.load();
+    d["unreadable"] = unreadable_.load();
+    d["errors"] = errors_.load();
+    return d;
+  }
+
+ private:
+  struct Ptr {
+    const void* out = nullptr;
+    const void* lse = nullptr;
+  };
+
+  static const void* ptr_of(const c10::IValue& v) {
+    if (!v.isTensor()) return nullptr;
+    const at::Tensor& t = v.toTensor();
+    return t.defined() && t.numel() > 0 ? t.data_ptr() : nullptr;
+  }
+
+  Pool* pool_for(const at::Tensor& t) const {
+    if (t.is_cpu()) return cpu_.get();
+    if (t.is_cuda()) return cuda_.get();
+    return nullptr;
+  }
+
+  // Shape, dtype and flags from the arguments; false when they cannot be read.
+  static bool read(const Spec& s, c10::ArrayRef<c10::IValue> args, Record& r) {
+    if (!args[s.q].isTensor() || !args[s.k].isTensor() || !args[s.v].isTensor()) return false;
+    const at::Tensor& q = args[s.q].toTensor();
+    const at::Tensor& k = args[s.k].toTensor();
+    const at::Tensor& v = args[s.v].toTensor();
+    if (!q.defined() || q.is_nested() || q.dim() != k.dim() || q.dim() != v.dim()) return false;
+    if (s.bshd && q.dim() == 3) {  // packed sequences: (total tokens, heads, head dim)
+      if (s.cu_q < 0 || !args[s.cu_q].isTensor()) return false;
+      r.b = args[s.cu_q].toTensor().numel() - 1;
+      r.h = q.size(1);
+      r.d = q.size(2);
+      r.sq = s.max_q >= 0 && args[s.max_q].isInt() ? args[s.max_q].toInt() : q.size(0);
+      r.sk = s.max_k >= 0 && args[s.max_k].isInt() ? args[s.max_k].toInt() : k.size(0);
+      r.kv_heads = k.size(1);
+      r.dv = v.size(2);
+    } else if (q.dim() == 4) {
+      if (s.bshd) {
+        r.b = q.size(0);
+        r.sq = q.size(1);
+        r.h = q.size(2);
+        r.d = q.size(3);
+        r.sk = k.size(1);
+        r.kv_heads = k.size(2);
+        r.dv = v.size(3);
+      } else {
+        r.b = q.size(0);
+        r.h = q.size(1);
+        r.sq = q.size(2);
+        r.d = q.size(3);
+        r.sk = k.size(2);
+        r.kv_heads = k.size(1);
+        r.dv = v.size(3);
+      }
+    } else {
+      return false;
+    }
+    r.dtype = q.scalar_type();
+    r.device_type = q.device().type();
+    r.device_index = q.device().index();
+    if (s.causal >= 0) {
+      const c10::IValue& c = args[s.causal];
+      r.causal = c.isBool() ? c.toBool() : (c.isInt() && c.toInt() != 0);  // efficient: mask type
+    }
+    if (s.dropout >= 0 && args[s.dropout].isDouble()) r.dropout = args[s.dropout].toDouble();
+    if (s.scale >= 0 && args[s.scale].isDouble()) r.scale = args[s.scale].toDouble();
+    return true;
+  }
+
+  void forward(const Spec& s, const c10::SafeKernelFunction& original,
+               const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    const size_t nargs = op.schema().arguments().size();
+    const size_t nrets = op.schema().returns().size();
+    Record r;
+    Pool* pool = nullptr;
+    bool measure = false;
+    try {
+      if (t_python == 0) {
+        if (!measuring_.load(std::memory_order_relaxed)) {
+          sampled_.fetch_add(1);
+        } else if (!read(s, torch::jit::last(*stack, nargs), r)) {
+          unreadable_.fetch_add(1);
+        } else if ((pool = r.device_type == c10::DeviceType::CPU    ? cpu_.get()
+                           : r.device_type == c10::DeviceType::CUDA ? cuda_.get()
+                                                                    : nullptr) == nullptr) {
+          other_device_.fetch_add(1);
+        } else {
+          measure = true;
+        }
+      }
+    } catch (...) {
+      errors_.fetch_add(1);
+      measure = false;
+    }
+    if (!measure) {
+      original.callBoxed(op, ks, stack);
+      remember(torch::jit::last(*stack, nrets), s, kUnmeasured);
+      return;
+    }
+    r.op = s.op;
+    r.cuda = r.device_type == c10::DeviceType::CUDA;
+#ifdef FADIAG_CUDA
+    // Marks go on the current stream of the inputs' device, where the op's kernels are queued.
+    std::optional<c10::cuda::CUDAGuard> guard;
+    if (r.cuda) {
+      guard.emplace(static_cast<c10::DeviceIndex>(r.device_index));
+      if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+        captured_.fetch_add(1);  // counted per replay by Python (torch.cuda.CUDAGraph.replay)
+        original.callBoxed(op, ks, stack);
+        remember(torch::jit::last(*stack, nrets), s, kUnmeasured);
+        return;
+      }
+    }
+#endif
+    r.recompute = torch::autograd::get_current_graph_task_id() != -1;
+    r.f0 = pool->take_marked();
+    try {
+      original.callBoxed(op, ks, stack);
+    } catch (...) {
+      pool->give_back(r.f0);
+      throw;
+    }
+    r.f1 = pool->take_marked();
+    try {
+      auto results = torch::jit::last(*stack, nrets);
+      Ptr p{ptr_of(results[s.out]), ptr_of(results[s.lse])};
+      std::lock_guard<std::mutex> lock(mu_);
+      if (static_cast<int64_t>(records_.size()) >= max_records_) {
+        over_cap_.fetch_add(1);
+        pool->give_back(r.f0);
+        pool->give_back(r.f1);
+        return;
+      }
+      if (backward_since_forward_ && !r.recompute) {
+        ++phase_;  // a forward after a backward: the next micro-batch
+        backward_since_forward_ = false;
+      }
+      r.phase = phase_;
+      const int64_t id = next_id_++;
+      records_.push_back(r);
+      if (p.lse != nullptr) by_ptr_[p.lse] = id;
+      if (p.out != nullptr) by_ptr_[p.out] = id;
+    } catch (...) {
+      errors_.fetch_add(1);
+    }
+  }
+
+  void remember(c10::ArrayRef<c10::IValue> results, const Spec& s, int64_t id) {
+    try {
+      const void* lse = ptr_of(results[s.lse]);
+      const void* out = ptr_of(results[s.out]);
+      std::lock_guard<std::mutex> lock(mu_);
+      if (lse != nullptr) by_ptr_[lse] = id;
+      if (out != nullptr) by_ptr_[out] = id;
+    } catch (...) {
+      errors_.fetch_add(1);
+    }
+  }
+
+  // Bytes of what the forward kept for this backward: the arguments Python named as such,
+  // each storage once, none shared with q, k or v.
+  static int64_t kept_bytes(const Spec& s, c10::ArrayRef<c10::IValue> args) {
+    std::vector<const void*> seen;
+    for (int64_t i : {s.q, s.k, s.v}) {
+      if (args[i].isTensor() && args[i].toTensor().defined()) {
+        seen.push_back(args[i].toTensor().storage().data());
+      }
+    }
+    int64_t total = 0;
+    for (int64_t i : s.kept) {
+      if (!args[i].isTensor()) continue;
+      const at::Tensor& t = args[i].toTensor();
+      if (!t.defined() || !t.has_storage()) continue;
+      const void* data = t.storage().data();
+      bool dup = false;
+      for (const void* p : seen) dup = dup || p == data;
+      if (dup) continue;
+      seen.push_back(data);
+      total += static_cast<int64_t>(t.storage().nbytes());
+    }
+    return total;
+  }
+
+  void backward(const Spec& s, const c10::SafeKernelFunction& original,
+                const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    const size_t nargs = op.schema().arguments().size();
+    int64_t id = -1;
+    int64_t kept = -1;
+    Pool* pool = nullptr;
+    bool cuda = false;
+    c10::DeviceIndex device = -1;
+    try {
+      auto args = torch::jit::last(*stack, nargs);
+      const void* lse = ptr_of(args[s.lse]);
+      const void* out = ptr_of(args[s.out]);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto found = lse != nullptr ? by_ptr_.find(lse) : by_ptr_.end();
+        if (found == by_ptr_.end() && out != nullptr) found = by_ptr_.find(out);
+        if (found != by_ptr_.end()) {
+          id = found->second;
+          backward_since_forward_ = true;
+        }
+      }
+      if (id == -1) unpaired_.fetch_add(1);
+      if (id >= 0 && args[s.q].isTensor()) {
+        const at::Tensor& q = args[s.q].toTensor();
+        pool = pool_for(q);
+        cuda = q.is_cuda();
+        device = q.device().index();
+        kept = kept_bytes(s, args);
+      }
+    } catch (...) {
+      errors_.fetch_add(1);
+      id = -1;
+    }
+    if (id < 0 || pool == nullptr) {
+      original.callBoxed(op, ks, stack);
+      return;
+    }
+#ifdef FADIAG_CUDA
+    std::optional<c10::cuda::CUDAGuard> guard;
+    if (cuda) guard.emplace(device);
+#endif
+    const int64_t b0 = pool->take_marked();
+    try {
+      original.callBoxed(op, ks, stack);
+    } catch (...) {
+      pool->give_back(b0);
+      throw;
+    }
+    const int64_t b1 = pool->take_marked();
+    std::lock_guard<std::mutex> lock(mu_);
+    const int64_t index = id - first_id_;
+    if (index >= 0 && index < static_cast<int64_t>(records_.size()) &&
+        records_[static_cast<size_t>(index)].b0 < 0) {
+      Record& r = records_[static_cast<size_t>(index)];
+      r.b0 = b0;
+      r.b1 = b1;
+      r.kept = kept;
+    } else {  // drained already, or a second backward through a retained graph
+      unpaired_.fetch_add(1);
+      pool->give_back(b0);
+      pool->give_back(b1);
+    }
+  }
+
+  std::shared_ptr<Pool> cpu_, cuda_;
+  int64_t max_records_;
+  std::atomic<bool> measuring_{true};
+  std::mutex mu_;
+  std::vector<Record> records_;
+  std::unordered_map<const void*, int64_t> by_ptr_;
+  int64_t next_id_ = 0, first_id_ = 0, phase_ = 0;
+  bool backward_since_forward_ = false;
+  std::atomic<int64_t> sampled_{0}, over_cap_{0}, captured_{0}, unpaired_{0}, other_device_{0},
+      unreadable_{0}, errors_{0};
+};
+
+class Kernel final : public c10::OperatorKernel {
+ public:
+  Kernel(std::shared_ptr<TapState> state, int64_t index, c10::SafeKernelFunction original)
+      : state_(std::move(state)), index_(index), original_(std::move(original)) {}
+
+  void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    state_->call(index_, original_, op, ks, stack);
+  }
+
+ private:
+  std::shared_ptr<TapState> state_;
+  int64_t index_;
+  c10::SafeKernelFunction original_;
+};
+
+int64_t get(const py::dict& d, const char* key, int64_t fallback) {
+  return d.contains(key) ? d[key].cast<int64_t>() : fallback;
+}
+
+class Tap {
+ public:
+  Tap(std::shared_ptr<Pool> cpu, std::shared_ptr<Pool> cuda, int64_t max_records)
+      : state_(std::make_shared<TapState>(std::move(cpu), std::move(cuda), max_records)) {}
+
+  ~Tap() { uninstall(); }
+
+  // Wrap each op's kernel for its key. `specs`: one dict per (op, key), from fadiag/tap.py.
+  void install(const std::vector<py::dict>& specs) {
+    TORCH_CHECK(libraries_.empty(), "fadiag tap: already installed");
+    std::vector<Spec> parsed;
+    for (const py::dict& d : specs) {
+      Spec s;
+      s.name = d["name"].cast<std::string>();
+      s.overload = d["overload"].cast<std::string>();
+      s.key = d["key"].cast<std::string>();
+      s.op = get(d, "op", 0);
+      s.backward = d["backward"].cast<bool>();
+      s.bshd = d["bshd"].cast<bool>();
+      s.q = get(d, "q", 0), s.k = get(d, "k", 1), s.v = get(d, "v", 2);
+      s.causal = get(d, "causal", -1), s.dropout = get(d, "dropout", -1);
+      s.scale = get(d, "scale", -1), s.cu_q = get(d, "cu_q", -1);
+      s.max_q = get(d, "max_q", -1), s.max_k = get(d, "max_k", -1);
+      s.out = get(d, "out", 0), s.lse = get(d, "lse", 1);
+      if (d.contains("kept")) s.kept = d["kept"].cast<std::vector<int64_t>>();
+      parsed.push_back(std::move(s));
+    }
+    state_->specs = parsed;
+    Quiet quiet;
+    c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    try {
+      for (size_t i = 0; i < parsed.size(); ++i) {
+        const Spec& s = parsed[i];
+        const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(s.name.c_str(),
+                                                                           s.overload.c_str());
+        const c10::DispatchKey key = c10::parseDispatchKey(s.key);
+        c10::SafeKernelFunction original = handle.getComputedKernelForDispatchKey(key);
+        const auto sep = s.name.find("::");
+        const std::string ns = s.name.substr(0, sep);
+        std::string op = s.name.substr(sep + 2);
+        if (!s.overload.empty()) op += "." + s.overload;
+        auto& lib = libraries_[{ns, s.key}];
+        if (!lib) {
+          lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__,
+                                                 static_cast<uint32_t>(__LINE__));
+        }
+        lib->impl(op.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Kernel>(
+                                  state_, static_cast<int64_t>(i), std::move(original))));
+      }
+    } catch (...) {
+      libraries_.clear();
+      throw;
+    }
+  }
+
+  // Every op gets back the kernel it had (the dispatcher makes the replaced one current again).
+  void uninstall() {
+    Quiet quiet;
+    c10::WarningUtils::WarningHandlerGuard guard(&quiet);
+    libraries_.clear();
+  }
+
+  bool installed() const { return !libraries_.empty(); }
+  void set_measuring(bool on) { state_->set_measuring(on); }
+  py::list drain() { return state_->drain(); }
+  py::dict counts() const { return state_->counts(); }
+
+  // The Python wrapper measures this call itself: the ops it reaches pass through.
+  static void enter() { ++t_python; }
+  static void exit() { --t_python; }
+
+ private:
+  std::shared_ptr<TapState> state_;
+  std::map<std::pair<std::string, std::string>, std::unique_ptr<torch::Library>> libraries_;
+};
+
+}  // namespace
+
+void bind_tap(py::module_& m) {
+  m.attr("tap") = true;
+  py::class_<Tap>(m, "Tap")
+      .def(py::init<std::shared_ptr<Pool>, std::shared_ptr<Pool>, int64_t>(), py::arg("cpu"),
+           py::arg("cuda"), py::arg("max_records"))
+      .def("install", &Tap::install)
+      .def("uninstall", &Tap::uninstall)
+      .def("installed", &Tap::installed)
+      .def("set_measuring", &Tap::set_measuring)
+      .def("drain", &Tap::drain)
+      .def("counts", &Tap::counts)
+      .def_static("enter", &Tap::enter)
+      .def_static("exit", &Tap::exit);
+}
+
+#else
+
+void bind_tap(pybind11::module_& m) { m.attr("tap") = false; }
+
+#endif
+
+}  // namespace fadiag

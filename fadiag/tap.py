@@ -1,0 +1,279 @@
+"""The dispatcher tap: fused attention ops measured where torch dispatches them.
+
+Compiled code calls the fused SDPA ops (and flash_attn's) through the dispatcher in both passes,
+where no Python wrapper runs. `_native/tap.cpp` wraps each op's registered kernel: two marks, a
+record, no Python per call. At each step boundary the recorder drains the records into calls
+like any other. Calls that fadiag's Python wrappers measure (eager code) pass through the tap.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import weakref
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .device import NativeTimer
+from .ops import AttentionOp, CallInfo, read_sdpa
+from .patcher import Patcher
+from .recorder import Signature
+
+log = logging.getLogger("fadiag")
+
+SITE = "compiled"
+"""Calls the tap measures have no Python call site: `compiled#n` is the n-th in the pass."""
+KEYS = ("CPU", "CUDA")
+"""Backend keys wrapped. torch_npu's ops are not tapped (no Ascend hardware to check them on);
+on NPU the Python interceptors measure them in eager code."""
+_MIN_TORCH = (2, 9)  # OperatorHandle::getComputedKernelForDispatchKey, the kernel a wrapper calls
+
+
+@dataclass(frozen=True)
+class TapOp:
+    """One dispatcher op the tap wraps: its qualified name, the impl it is, and whether it is a
+    backward op. Argument positions are read from its schema, so torch versions may differ."""
+
+    name: str
+    impl: str
+    backward: bool = False
+    bshd: bool = False
+    """(B, S, H, D) tensors, or packed (T, H, D) ones with cumulative lengths (varlen)."""
+
+
+def _pair(name: str, impl: str, backward: str = "_backward", bshd: bool = False) -> tuple[TapOp, ...]:
+    return TapOp(name, impl, bshd=bshd), TapOp(name + backward, impl, True, bshd)
+
+
+TAP_OPS: tuple[TapOp, ...] = (
+    *_pair("aten::_scaled_dot_product_flash_attention", "flash"),
+    *_pair("aten::_scaled_dot_product_efficient_attention", "efficient"),
+    *_pair("aten::_scaled_dot_product_cudnn_attention", "cudnn"),
+    *_pair("aten::_scaled_dot_product_flash_attention_for_cpu", "cpu_flash"),
+    TapOp("aten::_flash_attention_forward", "flash", bshd=True),
+    TapOp("aten::_flash_attention_backward", "flash", True, True),
+    TapOp("aten::_efficient_attention_forward", "efficient", bshd=True),
+    TapOp("aten::_efficient_attention_backward", "efficient", True, True),
+    TapOp("flash_attn::_flash_attn_forward", "flash_attn", bshd=True),
+    TapOp("flash_attn::_flash_attn_backward", "flash_attn", True, True),
+    TapOp("flash_attn::_flash_attn_varlen_forward", "flash_attn", bshd=True),
+    TapOp("flash_attn::_flash_attn_varlen_backward", "flash_attn", True, True),
+    TapOp("flash_attn_3::_flash_attn_forward", "flash_attn3", bshd=True),
+    TapOp("flash_attn_3::_flash_attn_backward", "flash_attn3", True, True),
+)
+
+_ARGS = {
+    "q": ("query", "q"), "k": ("key", "k"), "v": ("value", "v"),
+    "causal": ("is_causal", "causal", "custom_mask_type"), "dropout": ("dropout_p",),
+    "scale": ("scale", "softmax_scale"), "cu_q": ("cum_seq_q", "cu_seqlens_q"),
+    "max_q": ("max_q", "max_seqlen_q"), "max_k": ("max_k", "max_seqlen_k"),
+}
+_KEPT = ("out", "logsumexp", "softmax_lse", "philox_seed", "philox_offset", "rng_state", "unused")
+"""A backward op's arguments that the forward produced and kept for it (not q, k, v, the
+incoming gradient, masks or sequence lengths: those are the caller's)."""
+_LSE = ("logsumexp", "softmax_lse", "softmax_logsumexp", "log_sumexp")
+
+
+def specs(ops: tuple[TapOp, ...] = TAP_OPS) -> list[dict[str, Any]]:
+    """What tap.cpp needs of each (op, key) present in this torch: positions from the schema."""
+    out: list[dict[str, Any]] = []
+    for i, op in enumerate(ops):
+        try:
+            schema = torch._C._get_schema(op.name, "")
+        except RuntimeError:  # not in this torch, or its library is not imported
+            continue
+        args = [a.name for a in schema.arguments]
+        rets = [r.name for r in schema.returns]
+        spec: dict[str, Any] = {"name": op.name, "overload": "", "op": i, "backward": op.backward,
+                                "bshd": op.bshd}
+        for field, names in _ARGS.items():
+            spec[field] = next((args.index(n) for n in names if n in args), -1)
+        if op.backward:
+            spec["out"] = args.index("out") if "out" in args else -1
+            spec["lse"] = next((args.index(n) for n in _LSE if n in args), -1)
+            spec["kept"] = [j for j, n in enumerate(args) if n in _KEPT]
+        else:
+            spec["out"] = 0
+            spec["lse"] = next((rets.index(n) for n in _LSE if n in rets), 1)
+        if min(spec["q"], spec["k"], spec["v"]) < 0:
+            continue
+        for key in KEYS:
+            if torch._C._dispatch_has_kernel_for_dispatch_key(op.name, key):
+                out.append({**spec, "key": key})
+    return out
+
+
+def supported() -> str | None:
+    """Why the tap cannot run with this torch, or None."""
+    version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+    if version < _MIN_TORCH:
+        return f"torch {torch.__version__} < 2.9 has no kernel lookup for a wrapping kernel"
+    return None
+
+
+_OP = AttentionOp(name="dispatcher", config_key="sdpa", targets=(), read=read_sdpa)
+"""What the recorder's Signature records as the interceptor of a tapped call."""
+
+
+def signature(impl: str, shape: tuple[int, int, int, int, int], head_dim_v: int, kv_heads: int,
+              dtype: torch.dtype, device: str, causal: bool, dropout: float, bshd: bool,
+              kept: int | None) -> Signature:
+    """The recorder's Signature for a tapped call, figured as for any other call."""
+    q = torch.empty(0, dtype=dtype, device="meta")  # what Signature reads of q: dtype and size
+    info = CallInfo(q, None, None, shape, head_dim_v, kv_heads, causal, dropout,
+                    "BSHD" if bshd else "BHSD")
+    sig = Signature(_OP, info, impl, device)
+    sig.kept_bytes = kept
+    return sig
+
+
+class Tap:
+    """The installed tap of one process: its C++ half, its timers, and what it counts.
+
+    Example::
+
+        tap = Tap(extension, devices)   # the native module of fadiag/native.py
+        tap.install()
+        ...                             # compiled training
+        calls = tap.drain(Call)         # at a step boundary: the step's calls
+        tap.uninstall()
+    """
+
+    def __init__(self, extension: Any, max_records: int):
+        cuda = bool(getattr(extension, "cuda", False))
+        self.timers = {"cpu": NativeTimer("cpu", extension)}
+        if cuda:
+            self.timers["cuda"] = NativeTimer("cuda", extension, torch.cuda)
+        cuda_marks = self.timers["cuda"]._marks if cuda else None
+        self._tap = extension.Tap(self.timers["cpu"]._marks.pool(),
+                                  cuda_marks.pool() if cuda_marks is not None else None,
+                                  max_records)
+        self.enter = extension.Tap.enter
+        self.exit = extension.Tap.exit
+        self._signatures: dict[Any, Signature] = {}
+        self._patcher = Patcher()
+        self._graph_calls: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+        self._capture_start = 0
+        self.capturing = False
+        """A CUDA graph is being captured: the Python wrappers must take no marks."""
+        self.cuda_graph_calls = 0
+        """Attention calls replayed inside CUDA graphs (captured calls times replays)."""
+        self._counted: dict[str, int] = collections.Counter()
+        self.ops: list[str] = []
+
+    def install(self) -> None:
+        found = specs()
+        self._tap.install(found)
+        self.ops = sorted({s["name"] for s in found})
+        self._watch_cuda_graphs()
+        log.info("fadiag: dispatcher tap on %d attention ops (%s)", len(self.ops),
+                 ", ".join(op.split("::")[1] for op in self.ops))
+
+    def uninstall(self) -> None:
+        self._tap.uninstall()
+        self._patcher.restore()
+
+    def set_measuring(self, on: bool) -> None:
+        self._tap.set_measuring(on)
+
+    def counts(self) -> dict[str, int]:
+        """Calls seen and not measured, by reason, since install (cumulative)."""
+        c = dict(self._tap.counts())
+        c.pop("captured", None)
+        errors = c.pop("errors", 0)
+        c["cuda_graph"] = self.cuda_graph_calls
+        c["no_grad"] = self._counted["no_grad"]
+        c["errors"] = errors
+        return c
+
+    # ---- records -> calls ----------------------------------------------------------------------
+
+    def drain(self, call_class: Any, record_no_grad: bool) -> list[Any]:
+        """The calls recorded since the last drain, as the recorder's `Call`s, in forward order.
+
+        Sites: `compiled#n`, n counting the forwards of each pass (micro-batch); a recomputation
+        (activation checkpointing: a forward run inside the backward pass) takes the site of the
+        forward it replays, in reverse order, as the eager path names them. A forward with no
+        backward of its own or of its recomputation ran without grad (evaluation): dropped unless
+        steps.record_no_grad, and counted.
+        """
+        rows = self._tap.drain()
+        if not rows:
+            return []
+        forwards = collections.Counter(r[15] for r in rows if not r[14])
+        seen: dict[int, int] = collections.Counter()
+        replayed: dict[int, int] = collections.Counter()
+        named = []
+        for r in rows:
+            phase, recompute = r[15], r[14]
+            if recompute:
+                n = max(forwards[phase] - 1 - replayed[phase], 0)
+                replayed[phase] += 1
+            else:
+                n = seen[phase]
+                seen[phase] += 1
+            named.append((phase, n, r))
+        # What a recomputation's backward received is what the op keeps for its backward.
+        kept_by_site = {(p, n): r[16] for p, n, r in named if r[14] and r[16] is not None}
+        backward_by_site = {(p, n) for p, n, r in named if r[3] is not None}
+        calls = []
+        for phase, n, r in named:
+            (op_i, f0, f1, b0, b1, shape, dv, kvh, dtype, device, _index, causal, dropout,
+             _scale, recompute, _, kept, cuda) = r
+            timer = self.timers["cuda" if cuda else "cpu"]
+            if not recompute and (phase, n) not in backward_by_site and not record_no_grad:
+                self._counted["no_grad"] += 1
+                timer.release(f0, f1, b0, b1)
+                continue
+            if kept is None:
+                kept = kept_by_site.get((phase, n))
+            key = (op_i, shape, dv, kvh, dtype, device, causal, dropout, kept, b0 is None)
+            sig = self._signatures.get(key)
+            if sig is None:
+                op = TAP_OPS[op_i]
+                sig = self._signatures[key] = signature(
+                    op.impl, tuple(shape), dv, kvh, dtype, "cuda" if cuda else "cpu", causal,
+                    dropout, op.bshd, kept)
+                sig.forward_only = b0 is None and not recompute
+            call = call_class(f"{SITE}#{n}", timer, recompute, None, None, None)
+            call.sig = sig
+            call.fwd0, call.fwd1, call.bwd0, call.bwd1 = f0, f1, b0, b1
+            calls.append(call)
+        return calls
+
+    # ---- CUDA graphs -------------------------------------------------------------------------
+
+    def _watch_cuda_graphs(self) -> None:
+        """Count what CUDA graphs replay: the tap sees a graph's attention ops once, while it is
+        captured (and takes no marks then); each replay runs them again unseen."""
+        graph_class = getattr(torch.cuda, "CUDAGraph", None)
+        if graph_class is None or not torch.cuda.is_available():
+            return
+        tap = self
+        begin, end, replay = (getattr(graph_class, n) for n in ("capture_begin", "capture_end",
+                                                                 "replay"))
+
+        def capture_begin(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            tap.capturing = True
+            tap._capture_start = tap._tap.counts()["captured"]
+            return begin(graph, *args, **kwargs)
+
+        def capture_end(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return end(graph, *args, **kwargs)
+            finally:
+                tap.capturing = False
+                n = tap._tap.counts()["captured"] - tap._capture_start
+                if n:
+                    tap._graph_calls[graph] = n
+
+        def graph_replay(graph: Any, *args: Any, **kwargs: Any) -> Any:
+            tap.cuda_graph_calls += tap._graph_calls.get(graph, 0)
+            return replay(graph, *args, **kwargs)
+
+        self._patcher.replace(graph_class, "capture_begin", capture_begin)
+        self._patcher.replace(graph_class, "capture_end", capture_end)
+        self._patcher.replace(graph_class, "replay", graph_replay)
+

@@ -1,0 +1,209 @@
+"""torch.compile'd training, measured by the dispatcher tap like eager training (CPU inductor).
+
+Compiled code calls the fused SDPA op and its backward op through the dispatcher, where no
+Python wrapper runs; the tap (fadiag/tap.py, _native/tap.cpp) measures them there.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+import sysconfig
+
+import pytest
+import torch
+import torch.nn.functional as F
+from prometheus_client import CollectorRegistry
+
+import fadiag
+from fadiag import native
+from fadiag.records import StepReport
+from fadiag.tap import TAP_OPS, specs
+from fadiag.tap import supported as tap_supported
+from tests.models import GPT, train
+
+SEQ, BATCH, DIM, HEADS, LAYERS = 64, 2, 32, 2, 2
+
+
+def _toolchain() -> bool:
+    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    return headers and all(native.toolchain().values())
+
+
+pytestmark = [
+    pytest.mark.skipif(not _toolchain(), reason="needs a C++ compiler, ninja and Python headers"),
+    pytest.mark.skipif(tap_supported() is not None, reason="the tap needs torch >= 2.9"),
+]
+
+
+def _model(checkpointing: str | None = None) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return GPT(layers=LAYERS, dim=DIM, heads=HEADS, checkpointing=checkpointing)
+
+
+@dataclass
+class Run:
+    losses: list[float]
+    counters: dict[str, dict[str, int]]
+    """dynamo's graph, graph-break and recompile counters."""
+    history: list[StepReport]
+    steps_total: float | None
+
+
+def _run(model: torch.nn.Module, steps: int, attached: bool) -> Run:
+    """Compile `model` afresh and train it, with fadiag attached or not."""
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    session = fadiag.attach(port=0, tap="on") if attached else None
+    try:
+        losses = train(torch.compile(model), steps, seq=SEQ, batch=BATCH)
+        counters = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()
+                    if k in ("stats", "graph_break", "recompiles", "aot_autograd")}
+        if session is None:
+            return Run(losses, counters, [], None)
+        assert session.flush(10)
+        return Run(losses, counters, session.history(), _steps_total(session))
+    finally:
+        fadiag.detach()
+
+
+def _steps_total(session: fadiag.Session) -> float | None:
+    registry = CollectorRegistry()
+    registry.register(session.metrics)
+    return registry.get_sample_value("fadiag_steps_total", {"rank": "0"})
+
+
+@pytest.fixture(scope="module")
+def plain():
+    return _run(_model(), 4, attached=False)
+
+
+@pytest.fixture(scope="module")
+def measured():
+    return _run(_model(), 4, attached=True)
+
+
+def _out_plus_logsumexp() -> int:
+    head_dim = DIM // HEADS
+    return BATCH * HEADS * SEQ * head_dim * 4 + BATCH * HEADS * SEQ * 4  # fp32 out, fp32 lse
+
+
+def test_compiled_training_reports_one_call_per_layer_every_step(measured):
+    reports = measured.history
+    assert [r.step for r in reports] == [1, 2, 3, 4]
+    for r in reports:
+        assert [c.site for c in r.calls] == [f"compiled#{i}" for i in range(LAYERS)]
+        for c in r.calls:
+            assert c.impl == "cpu_flash" and c.interceptor == "dispatcher"
+            assert c.shape == (BATCH, HEADS, SEQ, SEQ, DIM // HEADS) and c.causal
+            assert c.forward_seconds > 0 and c.backward_seconds > 0
+            assert not c.recompute
+
+
+def test_compiled_kept_bytes_are_exactly_the_output_and_logsumexp(measured):
+    for r in measured.history:
+        assert {c.kept_bytes for c in r.calls} == {_out_plus_logsumexp()}
+
+
+def test_compiled_standard_bytes_and_savings_equal_eagers_for_the_same_shapes(measured):
+    s = fadiag.attach(port=0, tap="on")
+    train(_model(), 2, seq=SEQ, batch=BATCH)
+    assert s.flush(10)
+    eager = s.last_step()
+    fadiag.detach()
+    compiled = measured.history[-1]
+    assert [c.interceptor for c in eager.calls] == ["sdpa"] * LAYERS  # measured by the wrapper
+    assert compiled.standard_bytes == eager.standard_bytes
+    assert compiled.kept_bytes == eager.kept_bytes
+    assert compiled.memory_savings == pytest.approx(eager.memory_savings)
+
+
+def test_steps_total_counts_every_compiled_optimizer_step(measured):
+    assert measured.steps_total == 4
+
+
+def test_attaching_changes_no_dynamo_graph_break_or_recompile_count(plain, measured):
+    assert measured.counters == plain.counters
+    assert plain.counters["stats"].get("unique_graphs", 0) >= 1
+
+
+def test_compiled_losses_are_bit_identical_with_and_without_fadiag(plain, measured):
+    assert measured.losses == plain.losses
+
+
+@pytest.mark.parametrize("mode", ["non_reentrant"])
+def test_compiled_checkpointing_marks_recomputation_and_counts_each_call_once(mode):
+    plain = _run(_model(mode), 3, attached=False)
+    run = _run(_model(mode), 3, attached=True)
+    assert run.losses == plain.losses
+    for r in run.history:
+        forwards = [c for c in r.calls if not c.recompute]
+        assert [c.site for c in forwards] == [f"compiled#{i}" for i in range(LAYERS)]
+        recomputed = [c for c in r.calls if c.recompute]
+        assert {c.site for c in recomputed} <= {c.site for c in forwards}
+        sites = r.sites()
+        assert [s.calls for s in sites] == [1] * LAYERS  # a recomputation is not a second call
+        assert all(s.backward_seconds > 0 and s.forward_seconds > 0 for s in sites)
+        assert r.recompute_seconds == pytest.approx(sum(c.forward_seconds for c in recomputed))
+        assert r.forward_seconds == pytest.approx(sum(c.forward_seconds for c in forwards))
+
+
+def _kernels() -> dict[str, str]:
+    return {op.name: torch._C._dispatch_dump(op.name) for op in TAP_OPS
+            if any(s["name"] == op.name for s in specs())}
+
+
+def test_detach_gives_every_op_back_its_kernel_after_200_cycles():
+    before = _kernels()
+    assert "aten::_scaled_dot_product_flash_attention_for_cpu" in before
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for _ in range(200):
+        s = fadiag.attach(tap="on", **{"exporter.enabled": False})
+        assert s.tap_status == "installed"
+        fadiag.detach()
+    assert _kernels() == before
+    out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+    assert torch.equal(out, expected)
+
+
+def _direct(q, k, v):
+    """The fused CPU op called as compiled code calls it (no Python wrapper of fadiag's)."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)[0]
+
+
+def test_a_tapped_op_called_directly_is_measured_with_its_backward_and_result_unchanged():
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    expected = _direct(q, k, v)
+    expected.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    s = fadiag.attach(port=0, tap="on")
+    out = _direct(q, k, v)
+    out.sum().backward()
+    fadiag.step()
+    assert s.flush(10)
+    (call,) = s.last_step().calls
+    assert torch.equal(out, expected) and all(torch.equal(t.grad, g) for t, g in zip((q, k, v), grads))
+    assert call.site == "compiled#0" and call.forward_seconds > 0 and call.backward_seconds > 0
+
+
+def test_a_tapped_forward_without_backward_is_counted_as_no_grad():
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    s = fadiag.attach(port=0, tap="on")
+    _direct(q, k, v)
+    fadiag.step()
+    assert s.flush(10)
+    assert s.last_step() is None  # nothing measured: no step to report at fadiag.step()
+    assert s.recorder.unmeasured_totals()["no_grad"] == 1
+
+
+def test_tap_off_leaves_compiled_attention_unmeasured_but_steps_counted():
+    torch._dynamo.reset()
+    s = fadiag.attach(port=0, tap="off")
+    train(torch.compile(_model()), 2, seq=SEQ, batch=BATCH)
+    assert s.flush(10)
+    assert [r.calls for r in s.history()] == [[], []]
+    assert _steps_total(s) == 2
+    assert s.tap_status == "off"
