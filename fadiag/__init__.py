@@ -3,6 +3,7 @@
     import fadiag
     session = fadiag.attach()          # every attention call measured, rules checked, /metrics served
     ...train...
+    session.flush()                    # steps resolve off the training thread: wait for the last
     print(session.last_step())
 """
 

@@ -91,3 +91,10 @@ def test_recording_rules_follow_the_level_metric_operations_convention():
     for r in rules():
         if "record" in r:
             assert re.fullmatch(r"fadiag:[a-z_]+:[a-z0-9_]+", r["record"]), r["record"]
+
+
+def test_the_memory_runbook_says_to_lower_the_threshold_for_a_true_low_savings():
+    # savings fire *below* the threshold, so quieting a true flag means lowering it
+    text = (REPO / "docs/runbooks/FadiagMemorySavingsLow.md").read_text()
+    assert "raise the threshold" not in text
+    assert "lower the threshold" in text

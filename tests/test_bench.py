@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import subprocess
 import sys
 import warnings
@@ -200,3 +201,22 @@ def test_config_rejects_bad_values_by_dotted_name():
         bench.BenchConfig(device="cpu", backends=("cudnn",))
     with pytest.raises(ValueError, match=r"bench\.iters"):
         bench.BenchConfig(iters=0)
+
+
+def test_bench_whose_reader_is_gone_writes_its_files_and_exits_141_quietly(tmp_path: Path) -> None:
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "out"
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # gone before the first table, whatever the timing (as `| head` can be)
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-m", "fadiag", "bench", "--device", "cpu", "--seq-lens", "64",
+             "--backends", "cpu_flash", "--heads", "1", "--head-dim", "16", "--iters", "1",
+             "--warmup", "0", "--out", str(out)],
+            cwd=root, stdout=write_end, stderr=subprocess.PIPE, text=True, timeout=300,
+            env={**os.environ, "PYTHONPATH": str(root)})
+    finally:
+        os.close(write_end)
+    assert proc.returncode == 141  # rich's own handler exited with 1
+    assert "Traceback" not in proc.stderr and "wrote" not in proc.stderr
+    assert sorted(p.name for p in out.iterdir()) == ["bench.csv", "bench.json", "bench.png"]

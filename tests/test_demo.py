@@ -7,6 +7,7 @@ import os
 import queue
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -173,3 +174,33 @@ def test_a_device_this_machine_lacks_is_refused_by_name(capsys: pytest.CaptureFi
         main(["demo", "--device", "cuda"])
     assert exc.value.code == 2
     assert "argument --device: cuda is not available" in capsys.readouterr().err
+
+
+def _demo_run(argv: list[str], **env: str) -> subprocess.CompletedProcess[str]:
+    base = {k: v for k, v in os.environ.items() if not k.startswith("FADIAG_")}
+    base["PYTHONPATH"] = os.pathsep.join([str(ROOT), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    return subprocess.run([sys.executable, "-m", "fadiag", "demo", *argv], cwd=ROOT,
+                          env={**base, **env}, capture_output=True, text=True, timeout=120)
+
+
+def test_a_taken_port_under_on_port_in_use_fail_is_a_message_not_a_traceback(
+        tmp_path: Path) -> None:
+    config = tmp_path / "fadiag.yaml"
+    config.write_text("exporter:\n  on_port_in_use: fail\n")
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen(1)
+        port = taken.getsockname()[1]
+        proc = _demo_run(["--steps", "1", "--port", str(port)], FADIAG_CONFIG=str(config))
+    assert proc.returncode == 1
+    assert "Traceback" not in proc.stderr
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"fadiag demo: cannot serve metrics on 127.0.0.1:{port} ([Errno 98] Address already in "
+        "use); set exporter.port or exporter.on_port_in_use")
+
+
+def test_FADIAG_DISABLE_is_named_as_the_reason_there_are_no_metrics() -> None:
+    proc = _demo_run(["--steps", "1", "--seq-len", "32"], FADIAG_DISABLE="1")
+    assert proc.returncode == 0, proc.stderr
+    assert "metrics: none: fadiag disabled by FADIAG_DISABLE\n" in proc.stdout
+    assert "see fadiag's log" not in proc.stdout
