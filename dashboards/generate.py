@@ -361,9 +361,10 @@ def overview() -> dict:
         ),
         stat(
             "Active flags",
-            "Flag episodes active now (fadiag_flag_active), over all rules and the selected ranks. "
-            "0 is healthy; the Flags row shows which rule.",
-            f"sum(fadiag_flag_active{{{SEL}}})",
+            "Flag episodes of severity warning or critical active now (fadiag_flag_active), over "
+            "all rules and the selected ranks. 0 is healthy; info flags (a ratio within what its "
+            "kernel measures when healthy) are not counted; the Flags row shows which rule.",
+            f'sum(fadiag_flag_active{{{SEL}, severity!="info"}})',
             unit="none",
             steps=thresholds(("green", None), ("red", 1)),
         ),

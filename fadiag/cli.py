@@ -17,7 +17,8 @@ from typing import Any
 
 from . import __version__
 
-COMMANDS = ("demo", "bench", "estimate", "report", "run", "baseline", "check_config", "doctor")
+COMMANDS = ("demo", "bench", "calibrate", "estimate", "report", "run", "baseline", "check_config",
+            "doctor")
 
 
 def build_parser() -> argparse.ArgumentParser:

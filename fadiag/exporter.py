@@ -36,6 +36,9 @@ BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.0
 """10 µs to 10 s: a fused kernel at short S up to a whole step of math-path attention."""
 
 RULES = ("backward_forward_ratio", "memory_savings", "regression", "hang")
+SEVERITIES = {"backward_forward_ratio": ("info", "warning"), "memory_savings": ("warning",),
+              "regression": ("warning",), "hang": ("critical",)}
+"""The severities each rule's flags take: the label values of fadiag_flag_active."""
 OTHER_SITE = "other"
 POLL_SECONDS = 0.05
 """How often the serving thread looks for a shutdown request. prometheus_client's own
@@ -91,7 +94,7 @@ class Metrics(Sink):
         self._sites: set[str] = set()
         self._calls: dict[str, int] = {}
         self._flags = dict.fromkeys(RULES, 0)
-        self._flag_active: dict[str, set[str]] = {r: set() for r in RULES}
+        self._flag_active: dict[str, dict[str, str]] = {r: {} for r in RULES}  # site -> severity
         self._uninstrumented: dict[str, int] = {}
         self._last: StepReport | None = None
         self._steps = 0
@@ -130,10 +133,10 @@ class Metrics(Sink):
             if flag.rule not in self._flags:
                 return
             if flag.cleared:
-                self._flag_active[flag.rule].discard(flag.site)
+                self._flag_active[flag.rule].pop(flag.site, None)
             else:
                 self._flags[flag.rule] += 1
-                self._flag_active[flag.rule].add(flag.site)
+                self._flag_active[flag.rule][flag.site] = flag.severity
 
     def set_uninstrumented(self, reason: str, total: int) -> None:
         with self._lock:
@@ -159,7 +162,7 @@ class Metrics(Sink):
             step = (self._step.buckets(), self._step.sum)
             calls = dict(self._calls)
             flags = dict(self._flags)
-            active = {r: bool(s) for r, s in self._flag_active.items()}
+            active = {r: set(s.values()) for r, s in self._flag_active.items()}
             unins = dict(self._uninstrumented)
             last = self._last
             steps = self._steps
@@ -192,11 +195,14 @@ class Metrics(Sink):
         yield c
         c = CounterMetricFamily("fadiag_flags", "Flags raised (one per episode), by rule.",
                                 labels=["rank", "rule"])
-        g = GaugeMetricFamily("fadiag_flag_active", "1 while a flag episode of the rule is open.",
-                              labels=["rank", "rule"])
+        g = GaugeMetricFamily("fadiag_flag_active",
+                              "1 while a flag episode of the rule is open, by its severity (info: "
+                              "the ratio measured healthy for the kernel; warning: beyond it).",
+                              labels=["rank", "rule", "severity"])
         for rule in RULES:
             c.add_metric([r, rule], flags[rule])
-            g.add_metric([r, rule], 1.0 if active[rule] else 0.0)
+            for severity in SEVERITIES[rule]:
+                g.add_metric([r, rule, severity], 1.0 if severity in active[rule] else 0.0)
         yield c
         yield g
         c = CounterMetricFamily("fadiag_internal_errors", "Errors inside fadiag (training unaffected).",

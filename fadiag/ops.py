@@ -8,6 +8,7 @@ implementation is adding one entry to `OPS` (or calling `fadiag.instrument`).
 from __future__ import annotations
 
 import importlib
+import inspect
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -207,19 +208,81 @@ def read_hf(args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallInfo:
 LAYOUTS = ("BHSD", "BSHD", "BSH", "SBH", "BNSD", "BSND", "TND")
 
 
-def reader_for_layout(layout: str, heads: int | None = None) -> Reader:
-    """A reader for a user op whose first three tensor arguments are q, k, v in `layout`."""
+_CAUSAL_NAMES = ("is_causal", "causal")
+
+
+def causal_reader(fn: Any = None, causal_arg: int | str | None = None
+                  ) -> Callable[[tuple[Any, ...], dict[str, Any]], bool]:
+    """How a call of the user's op says causal: `Fn.apply(q, k, v, True)` takes no keywords.
+
+    `causal_arg` is the argument's position in the call (0 = the first, q) or its parameter
+    name; None finds a parameter named is_causal or causal in the signature of `fn` (an
+    autograd Function's forward, less ctx, or the function). Read by position or keyword, with
+    the parameter's default when the call leaves it out; keywords alone when nothing is known.
+    """
+    function = isinstance(fn, type) and issubclass(fn, torch.autograd.Function)
+    target = fn.forward if function else fn
+    offset = 1 if function else 0  # the wrapped apply() is called with the class first
+    params: list[inspect.Parameter] = []
+    if target is not None:
+        try:
+            params = list(inspect.signature(target).parameters.values())
+        except (TypeError, ValueError):  # a builtin without a signature
+            params = []
+        if function:
+            params = params[1:]  # ctx
+    names = [p.name for p in params]
+    if isinstance(causal_arg, str) and causal_arg not in names and params:
+        raise ValueError(f"causal_arg {causal_arg!r} is not a parameter of {fn!r}; "
+                         f"its parameters are {', '.join(names)}")
+    if isinstance(causal_arg, int):
+        position: int | None = causal_arg
+        name = names[causal_arg] if causal_arg < len(names) else None
+    else:
+        name = causal_arg if causal_arg is not None else next(
+            (n for n in _CAUSAL_NAMES if n in names), None)
+        position = names.index(name) if name in names else None
+    default = False
+    if name in names:
+        p = params[names.index(name)]
+        if p.kind in (p.KEYWORD_ONLY, p.VAR_KEYWORD, p.VAR_POSITIONAL):
+            position = None
+        if p.default is not p.empty:
+            default = bool(p.default)
+
+    def read(args: tuple[Any, ...], kwargs: dict[str, Any]) -> bool:
+        if position is not None and len(args) > position + offset:
+            return bool(args[position + offset])
+        if name is not None and name in kwargs:
+            return bool(kwargs[name])
+        if name is None:
+            return bool(kwargs.get("is_causal", kwargs.get("causal", False)))
+        return default
+
+    return read
+
+
+def reader_for_layout(layout: str, heads: int | None = None, fn: Any = None,
+                      causal_arg: int | str | None = None) -> Reader:
+    """A reader for a user op whose first three tensor arguments are q, k, v in `layout`, and
+    whose causal flag `causal_reader(fn, causal_arg)` finds."""
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}, got {layout!r}")
     if layout in ("BSH", "SBH") and not heads:
         raise ValueError(f"layout {layout} needs heads= (the number of query heads)")
+    if causal_arg is not None and (isinstance(causal_arg, bool) or not (
+            isinstance(causal_arg, str) and causal_arg
+            or isinstance(causal_arg, int) and causal_arg >= 0)):
+        raise ValueError(f"causal_arg must be a position (an integer >= 0) or a parameter name, "
+                         f"got {causal_arg!r}")
+    read_causal = causal_reader(fn, causal_arg)
 
     def read(args: tuple[Any, ...], kwargs: dict[str, Any]) -> CallInfo:
         tensors = [a for a in args if isinstance(a, torch.Tensor)][:3]
         tensors += [kwargs[n] for n in ("q", "k", "v", "query", "key", "value")
                     if isinstance(kwargs.get(n), torch.Tensor)]
         q, k, v = tensors[:3]
-        causal = bool(kwargs.get("is_causal", kwargs.get("causal", False)))
+        causal = read_causal(args, kwargs)
         dropout = float(kwargs.get("dropout_p", kwargs.get("dropout", 0.0)) or 0.0)
         if layout == "BHSD":
             shape, dv, kvh = _bhsd(q, k, v)

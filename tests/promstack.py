@@ -79,7 +79,7 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
         ("fadiag_attention_calls_total", "counter", {"rank", "impl"}),
         ("fadiag_attention_uninstrumented_calls_total", "counter", {"rank", "reason"}),
         ("fadiag_flags_total", "counter", {"rank", "rule"}),
-        ("fadiag_flag_active", "gauge", {"rank", "rule"}),
+        ("fadiag_flag_active", "gauge", {"rank", "rule", "severity"}),
         ("fadiag_attention_oldest_inflight_seconds", "gauge", {"rank"}),
         ("fadiag_internal_errors_total", "counter", {"rank"}),
         ("fadiag_last_step_timestamp_seconds", "gauge", {"rank"}),

@@ -30,6 +30,8 @@ import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
+
+from fadiag.exporter import SEVERITIES
 from promstack import (
     ALERTMANAGER,
     CONTRACT,
@@ -176,9 +178,10 @@ class StandInExporter:
             for label_values, v in values.items():
                 c.add_metric(list(label_values), v)
             yield c
-        g = GaugeMetricFamily("fadiag_flag_active", "Stand-in.", labels=["rank", "rule"])
+        g = GaugeMetricFamily("fadiag_flag_active", "Stand-in.", labels=["rank", "rule", "severity"])
         for r in FLAG_RULES:
-            g.add_metric([rank, r], 1.0 if r in p.flagged else 0.0)
+            for severity in SEVERITIES[r]:
+                g.add_metric([rank, r, severity], 1.0 if r in p.flagged and severity != "info" else 0.0)
         yield g
         g = GaugeMetricFamily("fadiag_build_info", "Stand-in.", labels=["version", "torch", "device"])
         g.add_metric(["0.0.0", "0.0.0", "cpu"], 1)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import importlib
+import re
 import sys
 import textwrap
 import time
@@ -14,6 +15,7 @@ from torch import nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fadiag
+from fadiag import session as session_mod
 from tests.models import GPT, SeedFlashAttention, train
 
 
@@ -519,3 +521,64 @@ def test_a_host_clock_timer_measures_calls_on_any_device():
 
     rec, call, errors = _begin_on_cuda0(CpuTimer())
     assert call is not None and rec.other_device == 0 and errors == []
+
+
+class _CausalByPosition(torch.autograd.Function):
+    """A user Function whose causal flag comes by position: apply() takes no keywords."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, is_causal=False):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return g, g, g, None
+
+
+class _MaskFlag(torch.autograd.Function):
+    """Causal under another name, and a bool before it that is not causal."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, return_lse, triangular):  # type: ignore[no-untyped-def]
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=triangular)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        return g, g, g, None, None
+
+
+def _causal_recorded(fn, call, **kw):
+    fadiag.instrument(fn, name="mine", **kw)
+    s = attach()
+    q, k, v = (torch.randn(1, 2, 16, 8, requires_grad=True) for _ in range(3))
+    call(q, k, v).sum().backward()
+    fadiag.step()
+    assert s.flush(10)
+    return [c.causal for c in s.last_step().calls]
+
+
+@pytest.mark.parametrize(("call", "expected"), [
+    (lambda q, k, v: _CausalByPosition.apply(q, k, v, True), [True]),
+    (lambda q, k, v: _CausalByPosition.apply(q, k, v, False), [False]),
+    (lambda q, k, v: _CausalByPosition.apply(q, k, v), [False]),  # its default
+])
+def test_causal_given_by_position_to_an_instrumented_function_is_recorded(call, expected):
+    assert _causal_recorded(_CausalByPosition, call) == expected
+
+
+def test_causal_arg_names_the_position_of_a_flag_with_another_name():
+    call = lambda q, k, v: _MaskFlag.apply(q, k, v, False, True)  # noqa: E731
+    assert _causal_recorded(_MaskFlag, call, causal_arg=4) == [True]
+    fadiag.detach()
+    session_mod._instrumented.clear()
+    assert _causal_recorded(_MaskFlag, call, causal_arg="triangular") == [True]
+
+
+@pytest.mark.parametrize(("causal_arg", "message"), [
+    ("mask", "causal_arg 'mask' is not a parameter of"),
+    (-1, "causal_arg must be a position (an integer >= 0) or a parameter name, got -1"),
+    (True, "causal_arg must be a position (an integer >= 0) or a parameter name, got True"),
+])
+def test_a_bad_causal_arg_is_a_clear_error(causal_arg, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        fadiag.instrument(_MaskFlag, causal_arg=causal_arg)
