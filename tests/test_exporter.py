@@ -312,3 +312,33 @@ def test_metrics_are_served_over_tls_when_configured(tmp_path):
         assert b"fadiag_build_info" in r.read()
     with pytest.raises((OSError, http.client.HTTPException)):
         urllib.request.urlopen(f"http://127.0.0.1:{s.port}/metrics", timeout=5).read()
+
+
+def test_detach_returns_promptly_with_the_exporter_running():
+    s = fadiag.attach(port=0)
+    train(GPT(layers=1), steps=2)
+    # Right after a request the serving thread starts a fresh wait for the next one: the wait
+    # that a shutdown has to outlast is then a whole poll interval.
+    scrape(s.port)
+    started = time.perf_counter()
+    fadiag.detach()
+    took = time.perf_counter() - started
+    # At most about 0.05 s (the serving thread looks for a shutdown every 50 ms); prometheus_client's
+    # own server made every detach() wait out its 0.5 s poll. The bound leaves room for a busy host.
+    assert took < 0.25
+
+
+def _help_texts(port: int) -> dict[str, str]:
+    return {f.name: f.documentation for f in text_string_to_metric_families(scrape(port))}
+
+
+def test_help_texts_say_what_the_info_gauges_and_the_step_memory_gauge_hold():
+    s = fadiag.attach(port=0)
+    train(GPT(layers=1), steps=2)
+    assert s.flush(10)
+    docs = _help_texts(s.port)
+    assert "fadiag and torch versions" in docs["fadiag_build_info"]
+    assert "rank, run_id, world_size, hostname, device_name" in docs["fadiag_run_info"]
+    step_memory = docs["fadiag_step_peak_memory_bytes"]
+    assert "on GPU/NPU the device allocator's peak" in step_memory
+    assert "on CPU the process's resident set size" in step_memory
