@@ -1,0 +1,44 @@
+"""The healthy bands are the H200 grid's measurements, and only those."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import defaultdict
+from pathlib import Path
+
+from fadiag.bands import BANDS, band_for
+from fadiag.records import SiteSummary
+
+GRID = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "ratio-grid-h200.json"
+
+
+def test_every_band_is_the_range_of_its_grid_cells_rounded_outward():
+    data = json.loads(GRID.read_text())
+    assert data["device"] == "NVIDIA H200"
+    cells: dict[tuple[str, int], list[float]] = defaultdict(list)
+    for row in data["rows"]:
+        cells[(row["impl"], row["S"])].append(row["ratio"])
+    for band in BANDS:
+        ratios = cells[(band.impl, band.seq_len)]
+        assert len(ratios) == 8
+        assert band.low == math.floor(min(ratios) * 100) / 100
+        # cuDNN at S=2048 also holds the healthy 16-layer Llama's 3.25-3.38 per layer.
+        high = 3.38 if (band.impl, band.seq_len) == ("cudnn", 2048) else math.ceil(max(ratios) * 100) / 100
+        assert band.high == high
+    assert {(b.impl, b.seq_len) for b in BANDS} == set(cells)
+
+
+def _site(impl="cudnn", n=2048, dtype="bfloat16", device="cuda", sk=None):
+    return SiteSummary(site="m.py:1#0", impl=impl, shape=(4, 16, n, sk or n, 128), dtype=dtype,
+                       calls=1, forward_seconds=1e-3, backward_seconds=3e-3, kept_bytes=None,
+                       standard_bytes=1, device=device)
+
+
+def test_a_band_applies_to_its_card_impl_and_length_only():
+    assert band_for(_site(), "NVIDIA H200").label() == "cudnn S≈2048 H200: 2.65-3.38x"
+    assert band_for(_site(n=2800), "NVIDIA H200").seq_len == 2048  # within √2 of 2048
+    for site, device in [(_site(), "NVIDIA H100 80GB HBM3"), (_site(n=512), "NVIDIA H200"),
+                         (_site(dtype="float32"), "NVIDIA H200"), (_site(device="cpu"), "NVIDIA H200"),
+                         (_site(sk=8192), "NVIDIA H200"), (_site(impl="math"), "NVIDIA H200")]:
+        assert band_for(site, device) is None
