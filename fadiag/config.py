@@ -120,6 +120,9 @@ class InterceptorsConfig:
     """Patch flash_attn.flash_attn_func / flash_attn_varlen_func when flash_attn is importable."""
     npu: bool = True
     """Patch torch_npu.npu_fusion_attention (+ _v2, _v3) when torch_npu is importable."""
+    flex: bool = True
+    """Patch torch.nn.attention.flex_attention.flex_attention, and wrap what torch.compile returns
+    for it."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -344,10 +347,10 @@ class Config:
         "device": _one_of("auto", "cpu", "cuda", "npu"),
         # YAML 1.1 reads a bare `native: off` as false: a boolean means on/off.
         "native": Check("one of auto|on|off", lambda v: isinstance(v, bool) or v in ("auto", "on", "off")),
+        "tap": Check("one of auto|on|off", lambda v: isinstance(v, bool) or v in ("auto", "on", "off")),
     }
 
     enabled: bool = True
-        "tap": Check("one of auto|on|off", lambda v: isinstance(v, bool) or v in ("auto", "on", "off")),
     """False: attach() returns a session that patches nothing."""
     device: str = "auto"
     """Timing backend: auto (each tensor's device), cpu, cuda or npu."""
@@ -356,14 +359,14 @@ class Config:
     and used from then on (Python marks until then, and wherever no C++ compiler is present);
     on: also on CPU, built at first use, waiting for it; off: Python marks only. NPU: Python.
     true and false (what YAML makes of a bare on and off) mean on and off."""
-    sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    interceptors: InterceptorsConfig = field(default_factory=InterceptorsConfig)
-    steps: StepsConfig = field(default_factory=StepsConfig)
     tap: str = "auto"
     """The dispatcher tap (fadiag/tap.py): measures the fused attention ops that no Python wrapper
     sees (torch.compile'd code). auto: the native extension is built or loaded in the background
     and the tap installed at the first step boundary after; on: built at attach(), waiting for
     it; off: compiled attention is not measured. Needs torch >= 2.9 and a C++ compiler."""
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    interceptors: InterceptorsConfig = field(default_factory=InterceptorsConfig)
+    steps: StepsConfig = field(default_factory=StepsConfig)
     rules: RulesConfig = field(default_factory=RulesConfig)
     exporter: ExporterConfig = field(default_factory=ExporterConfig)
     jsonl: JsonlConfig = field(default_factory=JsonlConfig)

@@ -59,3 +59,9 @@ def flash_bytes(
 def savings(kept: int, standard: int) -> float:
     """1 - kept / standard."""
     return 1.0 - kept / standard
+
+
+def scores_bytes(batch: int, heads: int, seq_q: int, seq_k: int, elem_size: int = 4) -> int:
+    """One [B, H, Sq, Sk] score matrix: what an unfused path materializes at least once per pass
+    (eager flex_attention computes scores in fp32, fp64 for fp64 inputs)."""
+    return batch * heads * seq_q * seq_k * elem_size

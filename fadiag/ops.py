@@ -59,6 +59,14 @@ class AttentionOp:
     quick: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, Any, Any, Any]] | None = None
     """Optional cheap reader for the hot path: (q, k, v, what else tells calls apart);
     `read` then runs only on a call signature's first sighting."""
+    per_call: Callable[[tuple[Any, ...], dict[str, Any]], Any] | None = None
+    """Optional per-call figures, read before the call's timed window; an object whose
+    `resolve()` gives CallRecord fields once the device has passed the call (flex: sparsity)."""
+    prepare: Callable[[Callable[..., Any]], Callable[..., Any]] | None = None
+    """Optional: wraps the original function before the recorder's wrapper does."""
+    install: Callable[[Any, Any], None] | None = None
+    """Optional wiring at attach(), given the session's Patcher and Recorder (for an op that is
+    not a module attribute, e.g. what torch.compile returns for flex_attention)."""
 
 
 def _opt(kwargs: dict[str, Any], args: tuple[Any, ...], i: int, name: str, default: Any) -> Any:
@@ -340,6 +348,12 @@ OPS: tuple[AttentionOp, ...] = (
     )
     for suffix in ("", "_v2", "_v3")
 )
+
+
+from .flex import COMPILED as _FLEX_COMPILED  # noqa: E402 - flex's readers build on CallInfo above
+from .flex import EAGER as _FLEX_EAGER  # noqa: E402
+
+OPS += (_FLEX_EAGER, _FLEX_COMPILED)
 
 
 def resolve_target(target: str, import_missing: bool) -> tuple[Any, str] | None:

@@ -62,7 +62,7 @@ class Signature:
 
     __slots__ = ("op", "impl", "shape", "dtype", "causal", "dropout", "kv_heads", "layout",
                  "device", "standard_bytes", "kept_bytes", "peak_bytes", "fused_path",
-                 "fallback_reason", "interceptor")
+                 "fallback_reason", "interceptor", "forward_only")
 
     def __init__(self, op: AttentionOp, info: CallInfo, impl: str, device: str):
         q = info.q
@@ -83,13 +83,14 @@ class Signature:
         self.fused_path: tuple[int, ...] | None = None
         self.fallback_reason: str | None = None
         self.interceptor = op.name
+        self.forward_only = False
 
 
 class Call:
     """One measured call; its marks are filled in by the training and autograd threads."""
 
     __slots__ = ("sig", "site", "timer", "fwd0", "fwd1", "bwd0", "bwd1", "remaining", "host_ns",
-                 "recompute", "aborted", "mem0", "probe", "saved", "key", "info", "qkv")
+                 "recompute", "aborted", "mem0", "probe", "saved", "key", "info", "qkv", "extra")
 
     def __init__(self, site: str, timer: Any, recompute: bool, key: Any, info: CallInfo | None,
                  qkv: tuple[Any, Any, Any]):
@@ -110,6 +111,7 @@ class Call:
         self.key = key
         self.info = info
         self.qkv: tuple[Any, Any, Any] | None = qkv
+        self.extra: Any = None  # AttentionOp.per_call's figures
 
 
 class ClosedStep:
@@ -121,10 +123,10 @@ class ClosedStep:
                  unmeasured: dict[str, int] | None = None):
         self.index = index
         self.calls = calls
-        self.wall_time = time.time()
-        self.closed = time.monotonic()
         self.unmeasured = unmeasured or {}
         """Attention calls of the step seen and not measured, by reason."""
+        self.wall_time = time.time()
+        self.closed = time.monotonic()
         self.device = device
         """The training thread's current device, for the step's allocator figures: the resolver
         thread's own current device is device 0 (CUDA's current device is per thread)."""
@@ -157,10 +159,10 @@ class Recorder:
         self.other_device = 0
         """Calls on an accelerator that is not the thread's current device (several devices in
         one process): marks go on the current device's stream, so these are not measured."""
-        self._current_devices: dict[str, Any] = {}  # device kind -> current index, this step
-        self.signatures: dict[Any, Signature] = {}
         self.unmeasured: dict[str, int] = {}
         """Calls not measured, by reason, counted by an op's own code (flex: ``compiling``)."""
+        self._current_devices: dict[str, Any] = {}  # device kind -> current index, this step
+        self.signatures: dict[Any, Signature] = {}
         self.backward_seen = False
         self.in_backward = 0
         self.compiled_autograd_configured = False
@@ -184,23 +186,23 @@ class Recorder:
         """C++ start of steady-state SDPA calls on the one native timer (NativeTimer.fast_begin)."""
         self._fast_timer: Any = None
         self._fast_op: AttentionOp | None = None
-        self._lock = threading.Lock()
-
         self.tap: Any = None
         """The dispatcher tap (fadiag/tap.py) once installed: its calls join each step's."""
         self.pending: Callable[[], None] | None = None
         """Work for the training thread at the next boundary (installing the tap: registering
         kernels while another thread dispatches ops is not safe)."""
         self._unmeasured_seen: dict[str, int] = {}
+        self._lock = threading.Lock()
+
     # ---- lifecycle -------------------------------------------------------------------------
 
     def start(self) -> None:
         self.enabled = True
         self.measuring = self._sampled(self.step_index)
-        self._read_config()
-
         if self.tap is not None:
             self.tap.set_measuring(self.measuring)
+        self._read_config()
+
     def stop(self) -> None:
         self.enabled = False
         self.measuring = False
@@ -303,6 +305,8 @@ class Recorder:
             call = Call(self._site(recompute), timer, recompute, key, info, (q, k, v))
             call.sig = sig
             call.probe = sig is None and grad and _hooks_enabled()
+            if op.per_call is not None:
+                call.extra = op.per_call(args, kwargs)
             self.calls.append(call)
             call.fwd0 = call.timer.mark()
             return call
@@ -411,6 +415,7 @@ class Recorder:
             fused_path = found[1] if found is not None else None
         sig = Signature(op, info, impl, call.timer.kind)
         sig.fused_path = fused_path
+        sig.forward_only = node is None
         if op.sdpa_like and impl == "math":
             sig.fallback_reason = backends.fallback_reason(
                 info.q, info.k, info.v, info.mask, info.dropout, info.causal,
@@ -597,21 +602,16 @@ class Recorder:
                 t.reset_in_backward()
             self.step_index += 1
             self.measuring = self.enabled and self._sampled(self.step_index)
+            if tap is not None:
+                tap.set_measuring(self.measuring)
+            self._run_pending()
             if time.monotonic() - self._config_read_at >= _CONFIG_EVERY_S:
                 self._read_config()
             if closed is not None:  # an unsampled step has nothing to resolve
                 self._on_step(closed)
         except Exception as e:
-            if tap is not None:
-                tap.set_measuring(self.measuring)
-            self._run_pending()
             self._on_error("recorder.boundary", e)
 
-    def _check_native_hooks(self, source: str) -> None:
-        """Steps that end at an optimizer step after C++-hooked calls whose hooks never fired:
-        the backward ran where C++ hooks are not called (compiled autograd switched on around
-        `backward()` alone, which the forward cannot see), or it never reached attention. After
-        a few such steps in a row, later calls get Python hooks, which compiled autograd runs."""
     def unmeasured_totals(self) -> dict[str, int]:
         """Attention calls seen and not measured since start, by reason (cumulative)."""
         totals = {"sampling": self.sampled_out, "per_step_cap": self.over_cap,
@@ -633,6 +633,11 @@ class Recorder:
         if work is not None:
             work()
 
+    def _check_native_hooks(self, source: str) -> None:
+        """Steps that end at an optimizer step after C++-hooked calls whose hooks never fired:
+        the backward ran where C++ hooks are not called (compiled autograd switched on around
+        `backward()` alone, which the forward cannot see), or it never reached attention. After
+        a few such steps in a row, later calls get Python hooks, which compiled autograd runs."""
         timers = self.devices.native_timers
         starts = sum(t.backward_starts() for t in timers)
         if source == "optimizer" and self._native_hooked:

@@ -56,6 +56,14 @@ class CallRecord(Figures):
     probe: bool = False
     """The call its signature was learned on: its forward also counted saved bytes and read the
     allocator, and cold caches (kernel plans, autotuning) land in it, so rules do not judge it."""
+    forward_only: bool = False
+    """No backward to time: no input required grad (or grad was off), so ``backward_seconds``
+    is 0 by absence, and nothing is kept for a backward (``kept_bytes`` None)."""
+    sparsity: float | None = None
+    """flex_attention: the fraction of score blocks its block mask skips (0 without one, about
+    0.5 causal), so time per computed block compares across masks; None for other ops."""
+    flex: dict[str, Any] | None = None
+    """flex_attention: score_mod / block_mask present, enable_gqa, kernel_options."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -121,6 +129,20 @@ class SiteSummary(Figures):
     standard_bytes: int
     device: str = ""
     """The timer kind of its calls: "cpu" means host-clock timings."""
+    sparsity: float | None = None
+    """The mean block-mask sparsity of the site's calls (flex_attention), else None."""
+
+    @property
+    def computed_fraction(self) -> float:
+        """The fraction of the score matrix the kernel computes (1 without a block mask)."""
+        return 1.0 - (self.sparsity or 0.0)
+
+    @property
+    def dense_forward_seconds(self) -> float | None:
+        """Forward seconds per computed fraction: what the kernel would take for the dense
+        matrix at the same speed, so a 50 %-sparse causal mask does not look 2x fast."""
+        c = self.computed_fraction
+        return self.forward_seconds / c if c > 0.0 else None
 
 
 @dataclass
@@ -146,6 +168,9 @@ class StepReport(Figures):
     rank: int = 0
     wall_time: float = 0.0
     recompute_seconds: float = 0.0
+    unmeasured: dict[str, int] = field(default_factory=dict)
+    """Attention calls of this step that fadiag saw and did not measure, by reason
+    (``cuda_graph``: replayed inside a CUDA graph; ``sampling``; ``per_step_cap``; …)."""
 
     @property
     def attention_seconds(self) -> float:
@@ -163,14 +188,12 @@ class StepReport(Figures):
             "forward_seconds": self.forward_seconds,
             "backward_seconds": self.backward_seconds,
             "recompute_seconds": self.recompute_seconds,
+            "unmeasured": dict(self.unmeasured),
             "ratio": self.ratio,
             "kept_bytes": self.kept_bytes,
             "standard_bytes": self.standard_bytes,
             "memory_savings": self.memory_savings,
             "peak_bytes": self.peak_bytes,
-    unmeasured: dict[str, int] = field(default_factory=dict)
-    """Attention calls of this step that fadiag saw and did not measure, by reason
-    (``cuda_graph``: replayed inside a CUDA graph; ``sampling``; ``per_step_cap``; …)."""
             "step_peak_bytes": self.step_peak_bytes,
             "calls": [c.to_dict() for c in self.calls],
             "flags": [f.to_dict() for f in self.flags],
@@ -188,16 +211,17 @@ class StepReport(Figures):
             step_peak_bytes=d.get("step_peak_bytes"),
             calls=[CallRecord.from_dict(c) for c in d.get("calls", [])],
             flags=[Flag.from_dict(f) for f in d.get("flags", [])],
-            "unmeasured": dict(self.unmeasured),
             rank=int(d.get("rank", 0)),
             wall_time=float(d.get("wall_time", 0.0)),
             recompute_seconds=float(d.get("recompute_seconds", 0.0)),
+            unmeasured={str(k): int(v) for k, v in (d.get("unmeasured") or {}).items()},
         )
 
 
 def summarize(calls: list[CallRecord]) -> list[SiteSummary]:
     """Per-site totals of `calls`, in first-call order (a recomputation adds its backward only)."""
     by_site: dict[str, SiteSummary] = {}
+    sparsity: dict[str, list[float]] = {}
     for c in calls:
         s = by_site.get(c.site)
         if s is None:
@@ -209,12 +233,15 @@ def summarize(calls: list[CallRecord]) -> list[SiteSummary]:
             s.standard_bytes += c.standard_bytes
             if s.kept_bytes is not None:
                 s.kept_bytes = None if c.kept_bytes is None else s.kept_bytes + c.kept_bytes
+            if c.sparsity is not None:
+                sparsity.setdefault(c.site, []).append(c.sparsity)
         s.backward_seconds += c.backward_seconds
+    for site, values in sparsity.items():
+        by_site[site].sparsity = sum(values) / len(values)
     return list(by_site.values())
 
 
 def ratio(backward: float, forward: float) -> float | None:
-            unmeasured={str(k): int(v) for k, v in (d.get("unmeasured") or {}).items()},
     """backward / forward, or None when there is no forward time to divide by."""
     if forward <= 0.0 or backward <= 0.0:
         return None

@@ -201,20 +201,22 @@ class Resolver:
             sig = c.sig
             assert sig is not None
             f, b = _seconds(f), _seconds(b)
+            kept_bytes = None if sig.forward_only else sig.kept_bytes
             records.append(CallRecord(
                 site=c.site, impl=sig.impl, shape=sig.shape, dtype=sig.dtype, causal=sig.causal,
                 dropout=sig.dropout, kv_heads=sig.kv_heads, layout=sig.layout, device=sig.device,
-                forward_seconds=f, backward_seconds=b, kept_bytes=sig.kept_bytes,
+                forward_seconds=f, backward_seconds=b, kept_bytes=kept_bytes,
                 standard_bytes=sig.standard_bytes, peak_bytes=sig.peak_bytes,
                 recompute=c.recompute, interceptor=sig.interceptor,
-                fallback_reason=sig.fallback_reason, probe=c.probe))
+                fallback_reason=sig.fallback_reason, probe=c.probe, forward_only=sig.forward_only,
+                **(c.extra.resolve() if c.extra is not None else {})))
             bwd += b
             if c.recompute:
                 recompute += f
                 continue
             fwd += f
             standard += sig.standard_bytes
-            kept = None if kept is None or sig.kept_bytes is None else kept + sig.kept_bytes
+            kept = None if kept is None or kept_bytes is None else kept + kept_bytes
             if sig.peak_bytes is not None:
                 peak = sig.peak_bytes if peak is None else max(peak, sig.peak_bytes)
         if not records:

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from .bands import band_for
 from .baseline import Baseline
 from .config import RulesConfig
+from .memory import scores_bytes
 from .records import Flag, SiteSummary, StepReport, ratio, summarize
 
 log = logging.getLogger("fadiag")
@@ -21,7 +22,7 @@ log = logging.getLogger("fadiag")
 TOTAL = "*"
 CLEAR_AFTER = 3
 """Calm evaluations (steps, or hang checks) before an open episode is cleared."""
-_FUSED = ("flash", "cudnn", "cpu_flash", "flash_attn", "npu_fusion", "overrideable")
+_FUSED = ("flash", "cudnn", "cpu_flash", "flash_attn", "npu_fusion", "overrideable", "flex")
 """The `site` of a flag about a whole step."""
 
 

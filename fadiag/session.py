@@ -41,7 +41,7 @@ log = logging.getLogger("fadiag")
 
 _lock = threading.RLock()
 _session: Session | None = None
-_instrumented: list[tuple[Any, str | None, str, int | None, int | str | None]] = []
+_instrumented: list[tuple[Any, str | None, str, int | None]] = []
 
 
 _LOGGED: dict[tuple[str, str], float] = {}
@@ -177,12 +177,12 @@ class Session:
         for op in OPS:
             if getattr(icfg, op.config_key):
                 self._patch_op(op, import_missing=op.config_key != "sdpa")
-        for fn, name, layout, heads, causal_arg in _instrumented:
-            self._instrument(fn, name, layout, heads, causal_arg)
+                if op.install is not None:
+                    op.install(self._patcher, self.recorder)
+        for fn, name, layout, heads in _instrumented:
+            self._instrument(fn, name, layout, heads)
         self._wrap_transformers()
         self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
-
-    def _patch_op(self, op: AttentionOp, import_missing: bool) -> None:
         self._start_tap()
 
     def _start_tap(self) -> None:
@@ -238,6 +238,8 @@ class Session:
         self.tap_status = f"unavailable: {why.removeprefix('unavailable: ')}"
         log.warning("fadiag: the dispatcher tap is unavailable (%s): attention in torch.compile'd "
                     "code is not measured; eager code is measured as usual", why)
+
+    def _patch_op(self, op: AttentionOp, import_missing: bool) -> None:
         done: set[int] = set()
         for target in op.targets:
             found = resolve_target(target, import_missing)
@@ -247,18 +249,17 @@ class Session:
             original = getattr(owner, attr)
             if getattr(original, "__wrapped_by_fadiag__", False) or id(original) in done:
                 continue
-            wrapper = self.recorder.wrap(original, op)
+            wrapper = self.recorder.wrap(op.prepare(original) if op.prepare else original, op)
             self._patcher.replace(owner, attr, wrapper)
             self._patcher.alias_builtin(original, wrapper)
             done.add(id(original))
             if self.config.interceptors.rebind_imported:
                 self._patcher.rebind_everywhere(original, wrapper)
 
-    def _instrument(self, fn: Any, name: str | None, layout: str, heads: int | None,
-                    causal_arg: int | str | None = None) -> Any:
+    def _instrument(self, fn: Any, name: str | None, layout: str, heads: int | None) -> Any:
         impl = name or getattr(fn, "__name__", "custom")
         op = AttentionOp(name=f"instrument:{impl}", config_key="", targets=(),
-                         read=reader_for_layout(layout, heads, fn, causal_arg), impl=impl,
+                         read=reader_for_layout(layout, heads), impl=impl,
                          output=lambda out: out[0] if isinstance(out, (tuple, list)) else out)
         if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
             base_apply = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
@@ -289,30 +290,31 @@ class Session:
             fn = store[key]
             if key == "sdpa" or getattr(fn, "__wrapped_by_fadiag__", False):
                 continue
-            impl = "flash_attn" if "flash" in key else key
+            # HF's flex entry runs torch.compile(flex_attention) (plain flex only inside a graph).
+            impl = "flash_attn" if "flash" in key else "flex" if key == "flex_attention" else key
             op = AttentionOp(name=f"transformers:{key}", config_key="transformers", targets=(),
                              read=read_hf, impl=impl,
                              output=lambda out: out[0] if isinstance(out, (tuple, list)) else out)
             self._patcher.replace_item(store, key, self.recorder.wrap(fn, op))
 
     def close(self) -> None:
+        self._closed = True
         self.recorder.stop()
+        self.recorder.pending = None
         if self._optimizer_hook is not None:
             self._optimizer_hook.remove()
-        self._closed = True
             self._optimizer_hook = None
-        self.recorder.pending = None
         self._patcher.restore()
         self.recorder.boundary("detach")
-        self.devices.close()
-        self.resolver.stop()
-        if self._server is not None:
         tap, self.recorder.tap = self.recorder.tap, None
         if tap is not None:
             try:
                 tap.uninstall()
             except Exception as e:
                 self._error("tap uninstall", e)
+        self.devices.close()
+        self.resolver.stop()
+        if self._server is not None:
             self._server.close()
             self._server = None
         self.sinks.close()
@@ -350,9 +352,6 @@ class Session:
         rec = self.recorder
         for reason, total in rec.unmeasured_totals().items():
             self.metrics.set_uninstrumented(reason, total)
-        self.sinks.flags(self.rules.check_hang(oldest_inflight))
-
-    def _error(self, where: str, exc: BaseException) -> None:
         tap = rec.tap
         if tap is not None:
             errors = tap.counts()["errors"]
@@ -360,6 +359,9 @@ class Session:
                 self._error("tap", RuntimeError(f"{errors - self._tap_errors} call(s) failed in "
                                                 "the dispatcher tap"))
                 self._tap_errors = errors
+        self.sinks.flags(self.rules.check_hang(oldest_inflight))
+
+    def _error(self, where: str, exc: BaseException) -> None:
         """Count an internal error; log the first one of each place, with its traceback."""
         self.errors += 1
         if hasattr(self, "metrics"):
@@ -403,10 +405,10 @@ class _DisabledSession(Session):
         self.config = config
         self.port = None
         self.errors = 0
+        self.tap_status = "off"
 
     def _start(self) -> None:
         pass
-        self.tap_status = "off"
 
     def close(self) -> None:
         pass
@@ -494,22 +496,19 @@ def step() -> None:
 
 
 def instrument(fn: Any, name: str | None = None, *, layout: str = "BHSD",
-               heads: int | None = None, causal_arg: int | str | None = None) -> Any:
+               heads: int | None = None) -> Any:
     """Measure the user's own attention op: an autograd.Function class or a function.
 
     For a Function class, existing ``Cls.apply(...)`` call sites are measured and the class is
     returned; for a function, module globals bound to it are rebound and the wrapper is returned.
-    `layout` says how its first three tensor arguments (q, k, v) are laid out. Causal is read
-    from the parameter named ``is_causal`` or ``causal`` (Function: of its ``forward``), by
-    position or keyword, with its default when a call leaves it out; `causal_arg` names another
-    parameter, or gives its position in the call (``Fn.apply(q, k, v, True)``: 3).
+    `layout` says how its first three tensor arguments (q, k, v) are laid out.
     """
-    reader_for_layout(layout, heads, fn, causal_arg)  # validate now, with a clear error
+    reader_for_layout(layout, heads)  # validate now, with a clear error
     with _lock:
         if any(entry[0] is fn for entry in _instrumented):
             return fn
-        _instrumented.append((fn, name, layout, heads, causal_arg))
+        _instrumented.append((fn, name, layout, heads))
         s = _session
         if s is not None and not isinstance(s, _DisabledSession):
-            return s._instrument(fn, name, layout, heads, causal_arg)
+            return s._instrument(fn, name, layout, heads)
     return fn

@@ -475,11 +475,11 @@ def test_source_of_another_type_is_rejected(source):
         ),
         (
             {"qqqq": 1},
-            "unknown key qqqq; expected one of enabled, device, native, sampling, interceptors, steps, rules, exporter, jsonl, log",
+            "unknown key qqqq; expected one of enabled, device, native, tap, sampling, interceptors, steps, rules, exporter, jsonl, log",
         ),
         (
             {1: 2},
-            "unknown key 1; expected one of enabled, device, native, sampling, interceptors, steps, rules, exporter, jsonl, log",
+            "unknown key 1; expected one of enabled, device, native, tap, sampling, interceptors, steps, rules, exporter, jsonl, log",
         ),
     ],
 )
@@ -629,7 +629,7 @@ def test_config_keys_list_every_leaf_with_its_default():
     assert keys["exporter.port"] == 9464
     assert keys["rules.hang.timeout_seconds"] == 300.0
     assert keys["rules.regression.min_increase_seconds"] == 0.0005
-    assert len(keys) == 44
+    assert len(keys) == 46
     assert keys["native"] == "auto"
 
 

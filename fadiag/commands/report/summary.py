@@ -68,6 +68,16 @@ class SiteRow:
     def standard_bytes(self) -> float | None:
         return _median(s.standard_bytes for s in self.per_step)
 
+    @property
+    def sparsity(self) -> float | None:
+        """flex_attention: the block mask's sparsity (fraction of blocks skipped), else None."""
+        return _median(s.sparsity for s in self.per_step)
+
+    @property
+    def dense_forward_seconds(self) -> float | None:
+        """Forward seconds per computed fraction of the score matrix (see SiteSummary)."""
+        return _median(s.dense_forward_seconds for s in self.per_step if s.sparsity is not None)
+
 
 @dataclass
 class Episode:
@@ -247,6 +257,12 @@ def site_table(s: Summary) -> list[list[str]]:
                      ms(r.forward_seconds), ms(r.backward_seconds), num(r.ratio),
                      num(r.memory_savings, 3), mib(r.kept_bytes), mib(r.standard_bytes),
                      str(r.flags)])
+    if any(r.sparsity is not None for r in s.sites):
+        # Block-sparse flex sites: time per computed block, so a causal mask's half-skipped
+        # matrix does not read as a kernel twice as fast (or a dense one as twice as slow).
+        rows[0] += ["sparsity", "fwd ms dense"]
+        for row, r in zip(rows[1:], s.sites, strict=True):
+            row += [num(r.sparsity, 3), ms(r.dense_forward_seconds)]
     return rows
 
 
