@@ -65,6 +65,8 @@ class GPT(nn.Module):
 MODELS = {
     "gpu_bound": dict(layers=12, d=1024, h=16, T=2048, B=8),
     "launch_bound": dict(layers=6, d=256, h=4, T=256, B=4),
+    # The GPU-bound model under torch.compile: its attention is measured by the dispatcher tap.
+    "compiled_gpu_bound": dict(layers=12, d=1024, h=16, T=2048, B=8, compile=True),
 }
 
 
@@ -79,9 +81,10 @@ def build(name: str):
 
 def make(name: str):
     model, opt, tokens = build(name)
+    run = torch.compile(model) if MODELS[name].get("compile") else model
 
     def step():
-        logits = model(tokens)
+        logits = run(tokens)
         F.cross_entropy(logits.view(-1, logits.shape[-1]).float(), tokens.view(-1)).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -223,6 +226,8 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int) -> dic
         step()
     out = {}
     for v in ["plain"] + variants:
+        if MODELS[model_name].get("compile") and v.startswith(("floor", "sync")):
+            continue  # they patch the model's Python code, which compiled code does not run
         ratios, plain_t, var_t = [], [], []
         with variant(v, model):  # warm the variant (signatures learned, profiler started)
             block_time(step, 3)
@@ -277,6 +282,38 @@ def host_cost_per_call(n: int = 2000) -> dict:
     return res
 
 
+def tap_host_cost(n: int = 2000) -> dict:
+    """Host cost of one tapped call (fwd + bwd) in compiled code, tiny inputs: what the dispatcher
+    tap adds per call, beside what the Python path adds to the same call in eager code."""
+    q = torch.randn(1, 1, 16, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    fn = torch.compile(lambda x: F.scaled_dot_product_attention(x, x, x))
+    res = {}
+    for label, run in (("compiled_plain", fn), ("compiled_fadiag", fn),
+                       ("eager_plain", F.scaled_dot_product_attention),
+                       ("eager_fadiag", F.scaled_dot_product_attention)):
+        ctx = fadiag.attach(port=0, tap="on") if label.endswith("fadiag") else None
+        try:
+            call = (lambda: run(q)) if label.startswith("compiled") else (lambda: run(q, q, q))
+            for _ in range(50):
+                call().sum().backward()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for i in range(n):
+                call().sum().backward()
+                if i % 8 == 7:
+                    fadiag.step()
+            torch.cuda.synchronize()
+            res[label] = (time.perf_counter() - t0) / n * 1e6
+        finally:
+            if ctx is not None:
+                fadiag.detach()
+    res["tap_us"] = res["compiled_fadiag"] - res["compiled_plain"]
+    res["python_path_us"] = res["eager_fadiag"] - res["eager_plain"]
+    print(f"host cost per call (fwd+bwd): tap {res['tap_us']:.1f} us (compiled), Python path "
+          f"{res['python_path_us']:.1f} us (eager)", flush=True)
+    return res
+
+
 def memory_over_steps(steps: int) -> dict:
     """fadiag's host (RSS) and device memory over `steps` launch-bound steps, every call timed."""
     import psutil
@@ -327,9 +364,12 @@ def main() -> None:
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     result["host_cost"] = host_cost_per_call()
+    if "compiled_gpu_bound" in args.models.split(","):
+        result["tap_host_cost"] = tap_host_cost()
     for m in filter(None, args.models.split(",")):  # --models "" measures memory only
-        steps = args.gpu_steps if m == "gpu_bound" else args.launch_steps
-        pairs = args.pairs if m == "gpu_bound" else max(args.pairs, 30)
+        gpu_bound = m.endswith("gpu_bound")
+        steps = args.gpu_steps if gpu_bound else args.launch_steps
+        pairs = args.pairs if gpu_bound else max(args.pairs, 30)
         result[m] = measure(m, variants, pairs, steps)
     if args.memory_steps:
         result["memory"] = memory_over_steps(args.memory_steps)

@@ -56,7 +56,10 @@ def _run(model: torch.nn.Module, steps: int, attached: bool) -> Run:
     torch._dynamo.utils.counters.clear()
     session = fadiag.attach(port=0, tap="on") if attached else None
     try:
-        losses = train(torch.compile(model), steps, seq=SEQ, batch=BATCH)
+        # Inductor's deterministic mode: no choice made by benchmarking on the machine, so two
+        # compilations of one model make the same code whatever the machine's load.
+        with torch._inductor.config.patch(deterministic=True):
+            losses = train(torch.compile(model), steps, seq=SEQ, batch=BATCH)
         counters = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()
                     if k in ("stats", "graph_break", "recompiles", "aot_autograd")}
         if session is None:
@@ -207,3 +210,13 @@ def test_tap_off_leaves_compiled_attention_unmeasured_but_steps_counted():
     assert [r.calls for r in s.history()] == [[], []]
     assert _steps_total(s) == 2
     assert s.tap_status == "off"
+
+
+def test_every_tapped_mark_is_given_back_after_a_flush(measured):
+    torch._dynamo.reset()
+    s = fadiag.attach(port=0, tap="on")
+    train(torch.compile(_model()), 3, seq=SEQ, batch=BATCH)
+    assert s.flush(10)
+    timers = s.recorder.tap.timers.values()
+    assert sum(t.pool_size() for t in timers) > 0
+    assert [t.marks_in_use() for t in timers] == [0] * len(timers)

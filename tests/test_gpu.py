@@ -284,16 +284,26 @@ def test_compiled_model_reports_every_call_with_the_impl_that_ran(backend):
             SDPBackend.EFFICIENT_ATTENTION: "efficient"}[backend]
     session = fadiag.attach(port=0, tap="on")
     assert session.tap_status == "installed"
-    with sdpa_kernel(backend):
+    # Compiled-graph caches key on the graph, not on the SDPA backend switches: without them
+    # off, a graph compiled under another backend comes back (and fadiag reports what ran).
+    with sdpa_kernel(backend), torch._inductor.config.patch(fx_graph_cache=False), \
+            torch._functorch.config.patch(enable_autograd_cache=False):
         step = _compiled_gpt_step()
-        for _ in range(4):
+        for _ in range(3):
+            step()
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
             step()
     assert session.flush(30)
+    ran = {e.name for e in prof.events() if e.name.startswith("aten::_scaled_dot_product_")}
+    assert f"aten::_scaled_dot_product_{impl}_attention" in ran, ran  # torch's own account
     report = session.last_step()
-    assert [c.site for c in report.calls] == [f"compiled#{i}" for i in range(4)]
-    assert {c.impl for c in report.calls} == {impl}
-    assert all(c.forward_seconds > 0 and c.backward_seconds > 0 for c in report.calls)
-    assert all(c.kept_bytes and c.kept_bytes < c.standard_bytes for c in report.calls)
+    seen = [(c.site, c.impl, c.forward_seconds, c.backward_seconds, c.kept_bytes) for c in report.calls]
+    assert [c.site for c in report.calls] == [f"compiled#{i}" for i in range(4)], (seen, report.unmeasured)
+    assert {c.impl for c in report.calls} == {impl}, seen
+    assert all(c.forward_seconds > 0 and c.backward_seconds > 0 for c in report.calls), seen
+    assert all(c.kept_bytes and c.kept_bytes < c.standard_bytes for c in report.calls), seen
     assert session.errors == 0
 
 

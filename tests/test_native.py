@@ -316,10 +316,26 @@ def test_off_and_auto_never_build_for_cpu(monkeypatch, setting):
 
     monkeypatch.setattr(native, "load", forbidden)
     monkeypatch.setattr(native, "load_in_background", forbidden)
-    s = attach(native=setting)
+    s = attach(native=setting, tap="off")  # the tap builds the same extension: see below
     train(GPT(layers=1), steps=2)
     assert isinstance(s.devices.timer("cpu"), CpuTimer)
     assert resolved(s).step == 2 and s.errors == 0
+
+
+def test_the_tap_loads_the_extension_in_the_background_and_attach_does_not_wait(monkeypatch):
+    """`tap: auto` (the default) builds or loads the extension off the training thread and
+    installs the tap at the next step boundary, on the training thread."""
+    asked = []
+    monkeypatch.setattr(native, "load", lambda kind: pytest.fail("attach() waited for a build"))
+    monkeypatch.setattr(native, "load_in_background", lambda kind, ready: asked.append((kind, ready)))
+    s = attach(native="off")
+    assert s.tap_status == "loading" and asked and asked[0][0] == "cpu"
+    build = threading.Thread(target=asked[0][1], args=(native._modules["cpu"],))
+    build.start()  # as the build thread calls it when the build is done
+    build.join()
+    assert s.tap_status == "loading"  # not installed from that thread
+    train(GPT(layers=1), steps=2)
+    assert s.tap_status == "installed" and s.recorder.tap is not None
 
 
 def test_a_bad_native_setting_is_a_config_error():

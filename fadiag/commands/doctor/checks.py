@@ -66,6 +66,7 @@ def diagnose(query: Query, build_native: bool = False) -> dict[str, Any]:
         "devices": devices,
         "sdpa": _sdpa(query, devices),
         "native": _native(devices, build_native),
+        "tap": _tap(devices),
         "packages": {name: _package(name) for name in PACKAGES},
     }
 
@@ -81,6 +82,23 @@ def _native(devices: dict[str, Any], build: bool) -> dict[str, Any]:
             native.load(kind)
         out[kind] = {"cached": native.cached(kind), "status": native.status(kind)}
     return out
+
+
+def _tap(devices: dict[str, Any]) -> dict[str, Any]:
+    """The dispatcher tap (attention in torch.compile'd code): what it would wrap here, and why
+    it cannot run where it cannot."""
+    from ... import native
+    from ...tap import specs, supported
+
+    kind = "cuda" if devices.get("cuda", {}).get("available") else "cpu"
+    why = supported()
+    status = native.status(kind)
+    if why is None and status.startswith("unavailable"):
+        why = f"the native extension for {kind}: {status.removeprefix('unavailable: ')}"
+    elif why is None and status == "not built" and not native.cached(kind):
+        why = "the native extension is not built yet (it is built at the first attach())"
+    ops = sorted({f"{s['name']} [{s['key']}]" for s in specs()}) if supported() is None else []
+    return {"kind": kind, "usable": why is None, "why_not": why, "ops": ops}
 
 
 def _torch_build() -> dict[str, Any]:
@@ -321,6 +339,10 @@ def format_text(report: dict[str, Any]) -> str:
         if kind != "toolchain":
             lines.append(f"  {kind:<5} {'built' if st['cached'] else 'not built'}"
                          + ("" if st["status"] == "not built" else f"; {st['status']}"))
+    t = report["tap"]
+    lines += ["", f"dispatcher tap (torch.compile'd attention) on {t['kind']}: "
+                  + ("ready" if t["usable"] else f"not ready: {t['why_not']}")]
+    lines += [f"  {op}" for op in t["ops"]]
     lines += ["", "packages"]
     for name, p in report["packages"].items():
         if p["importable"]:

@@ -1,0 +1,120 @@
+"""What one intercepted fused-attention op call costs the host, by mechanism.
+
+Calls the fused SDPA op directly (as compiled code does) on tiny inputs, forward and backward,
+with: nothing (plain); the dispatcher tap alone (a C++ boxed kernel around the registered one,
+two marks and a record per op, records drained every 8 calls); a Python kernel registered over
+the op with torch.library that calls the kernel it replaces and takes two host-clock marks
+(Python per call); and the whole session (the tap, a step every 8 calls resolved, judged and
+exported: what a step costs, spread over its calls). Each row is the median of `--repeats` runs of
+`--calls` calls. CPU or CUDA (`--device`). Usage:
+
+    python benchmarks/tap_cost.py --device cpu --out benchmarks/results/tap-cost-cpu.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fadiag  # noqa: E402
+
+OPS = {"cpu": "_scaled_dot_product_flash_attention_for_cpu", "cuda": "_scaled_dot_product_flash_attention"}
+
+
+def run(device: str, calls: int, boundary=lambda: fadiag.step()) -> float:
+    op = getattr(torch.ops.aten, OPS[device]).default
+    q = torch.randn(1, 1, 16, 64, device=device, dtype=torch.float16 if device == "cuda" else torch.float32,
+                    requires_grad=True)
+    for _ in range(100):
+        op(q, q, q)[0].sum().backward()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for i in range(calls):
+        op(q, q, q)[0].sum().backward()
+        if i % 8 == 7:
+            boundary()
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / calls * 1e6
+
+
+def raw_tap():
+    """The tap alone, without a session: its records drained and their marks given back."""
+    from fadiag import native
+    from fadiag.recorder import Call
+    from fadiag.tap import Tap
+
+    tap = Tap(native.load("cuda" if torch.cuda.is_available() else "cpu"), 4096)
+    tap.install()
+
+    def boundary() -> None:
+        for c in tap.drain(Call, record_no_grad=True):
+            c.timer.release(c.fwd0, c.fwd1, c.bwd0, c.bwd1)
+
+    return tap, boundary
+
+
+def python_override(device: str):
+    """A torch.library Python kernel over the op and its backward, calling the replaced ones."""
+    lib = torch.library.Library("aten", "IMPL")
+    key = "CUDA" if device == "cuda" else "CPU"
+    marks: list[float] = []
+    for name in (OPS[device], OPS[device] + "_backward"):
+        original = torch.library.get_kernel(f"aten::{name}", key)
+
+        def kernel(keys, *args, _original=original, **kwargs):
+            marks.append(time.perf_counter())
+            out = _original.call_boxed(keys, *args, **kwargs)
+            marks.append(time.perf_counter())
+            if len(marks) > 4096:
+                marks.clear()
+            return out
+
+        lib.impl(name, kernel, key, with_keyset=True)
+    return lib
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--calls", type=int, default=3000)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", default="tap-cost.json")
+    args = p.parse_args()
+    rows: dict[str, list[float]] = {"plain": [], "tap": [], "python_library": [], "session": []}
+    for _ in range(args.repeats):  # interleaved, so drift in the host's speed hits every row
+        rows["plain"].append(run(args.device, args.calls))
+        tap, boundary = raw_tap()
+        rows["tap"].append(run(args.device, args.calls, boundary))
+        tap.uninstall()
+        # The whole of fadiag: the tap, steps cut every 8 calls, resolved, judged and exported.
+        fadiag.attach(tap="on", **{"exporter.enabled": False})
+        rows["session"].append(run(args.device, args.calls))
+        fadiag.detach()
+        lib = python_override(args.device)
+        rows["python_library"].append(run(args.device, args.calls))
+        lib._destroy()
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    out = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
+           "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
+           "command": " ".join(sys.argv), "us_per_call_fwd_bwd": med,
+           "tap_minus_plain_us": med["tap"] - med["plain"],
+           "python_library_minus_plain_us": med["python_library"] - med["plain"],
+           "session_minus_plain_us": med["session"] - med["plain"], "runs": rows}
+    print(json.dumps({k: out[k] for k in ("us_per_call_fwd_bwd", "tap_minus_plain_us",
+                                          "python_library_minus_plain_us",
+                                          "session_minus_plain_us")}, indent=1))
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=1))
+
+
+if __name__ == "__main__":
+    main()
