@@ -168,8 +168,9 @@ def test_lightning_callback_logs_through_the_module_and_detaches(
     module.Callback = Callback  # type: ignore[attr-defined]
     if package == "lightning.pytorch":
         monkeypatch.setitem(sys.modules, "lightning", types.ModuleType("lightning"))
-    else:
+    else:  # hide Lightning, also where an earlier test imported the real one
         monkeypatch.setitem(sys.modules, "lightning", None)
+        monkeypatch.setitem(sys.modules, "lightning.pytorch", None)
     monkeypatch.setitem(sys.modules, package, module)
     import fadiag.integrations.lightning as lt
 

@@ -30,8 +30,10 @@ RUN = {"fadiag demo", "fadiag demo --force-math"}
 200 steps they train take from 30 s on an idle 2-core machine to minutes on a busy one."""
 PLACEHOLDERS = {"fadiag check-config FILE": ("FILE", "exporter:\n  port: 0\n")}
 """Run with the placeholder replaced by a real file of this content."""
+NEEDS_A_RUN_LOG = {"fadiag calibrate --from runs/fadiag-rank0.jsonl -o calibrated.yaml"}
+"""Run as written, where the run log it reads (what `attach(jsonl="runs/")` writes) exists."""
 NAMES = {"fadiag report", "fadiag demo", "fadiag estimate", "fadiag baseline save",
-         "fadiag bench", "fadiag run"}
+         "fadiag bench", "fadiag run", "fadiag calibrate", "fadiag doctor"}
 """A command named in prose, without its arguments: `--help` shows it exists."""
 SKIP = {
     "pip install torch==2.13.0 -e .": "installs into the environment (.ci/run does, before the tests)",
@@ -73,7 +75,7 @@ def _env() -> dict[str, str]:
 
 
 def test_every_readme_command_is_run_or_skipped_with_a_reason() -> None:
-    known = RUN | set(PLACEHOLDERS) | NAMES | set(SKIP)
+    known = RUN | set(PLACEHOLDERS) | NEEDS_A_RUN_LOG | NAMES | set(SKIP)
     assert [c for c in shell_commands(README) if c not in known] == []
 
 
@@ -87,6 +89,8 @@ def test_readme_command_runs_as_shown(command: str, tmp_path: Path) -> None:
         name, content = PLACEHOLDERS[command]
         (tmp_path / "fadiag.yaml").write_text(content)
         command = command.replace(name, "fadiag.yaml")
+    elif command in NEEDS_A_RUN_LOG:
+        _write_run_log(tmp_path / "runs")
     elif command in NAMES:
         command += " --help"
     elif command in RUN:
@@ -98,6 +102,22 @@ def test_readme_command_runs_as_shown(command: str, tmp_path: Path) -> None:
                           text=True, timeout=300)
     assert proc.returncode == 0, f"{command}\n{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
     assert "Traceback" not in proc.stderr
+
+
+def _write_run_log(directory: Path, steps: int = 30) -> None:
+    from fadiag.jsonl import JsonlSink
+    from fadiag.records import CallRecord, StepReport
+
+    sink = JsonlSink(directory, rank=0, meta={"rank": 0, "device": "cpu"})
+    for n in range(1, steps + 1):
+        call = CallRecord(site="model.py:41#0", impl="cpu_flash", shape=(4, 4, 256, 256, 32),
+                          dtype="float32", causal=True, forward_seconds=0.002,
+                          backward_seconds=0.005 + 0.0001 * (n % 3), kept_bytes=500_000,
+                          standard_bytes=8_900_000)
+        sink.emit(StepReport(step=n, forward_seconds=call.forward_seconds,
+                             backward_seconds=call.backward_seconds, kept_bytes=call.kept_bytes,
+                             standard_bytes=call.standard_bytes, peak_bytes=None, calls=[call]))
+    sink.close()
 
 
 def _run_demo_for_ten_steps(command: str, cwd: Path) -> None:

@@ -241,6 +241,20 @@ def test_report_piped_into_head_writes_its_files_and_exits_quietly(tmp_path: Pat
     assert len(list(report.glob("rank*-*.png"))) == 10
 
 
+def test_report_whose_reader_is_gone_still_writes_its_files(tmp_path: Path) -> None:
+    log = write_log(tmp_path)
+    read_end, write_end = os.pipe()
+    os.close(read_end)  # gone before the first line, whatever the timing
+    try:
+        proc = subprocess.run([sys.executable, "-m", "fadiag", "report", str(log), "--html"],
+                              cwd=ROOT, stdout=write_end, stderr=subprocess.PIPE, text=True,
+                              timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    finally:
+        os.close(write_end)
+    assert (proc.returncode, proc.stderr) == (141, "")
+    assert (tmp_path / "fadiag-report" / "report.html").read_text().count("base64,") == 5
+
+
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="no /dev/full on this system")
 def test_report_onto_a_full_stdout_says_so_after_writing_its_files(tmp_path: Path) -> None:
     log = write_log(tmp_path)
