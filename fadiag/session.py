@@ -41,7 +41,7 @@ log = logging.getLogger("fadiag")
 
 _lock = threading.RLock()
 _session: Session | None = None
-_instrumented: list[tuple[Any, str | None, str, int | None]] = []
+_instrumented: list[tuple[Any, str | None, str, int | None, int | str | None]] = []
 
 
 _LOGGED: dict[tuple[str, str], float] = {}
@@ -179,8 +179,8 @@ class Session:
                 self._patch_op(op, import_missing=op.config_key != "sdpa")
                 if op.install is not None:
                     op.install(self._patcher, self.recorder)
-        for fn, name, layout, heads in _instrumented:
-            self._instrument(fn, name, layout, heads)
+        for fn, name, layout, heads, causal_arg in _instrumented:
+            self._instrument(fn, name, layout, heads, causal_arg)
         self._wrap_transformers()
         self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
         self._start_tap()
@@ -256,10 +256,11 @@ class Session:
             if self.config.interceptors.rebind_imported:
                 self._patcher.rebind_everywhere(original, wrapper)
 
-    def _instrument(self, fn: Any, name: str | None, layout: str, heads: int | None) -> Any:
+    def _instrument(self, fn: Any, name: str | None, layout: str, heads: int | None,
+                    causal_arg: int | str | None = None) -> Any:
         impl = name or getattr(fn, "__name__", "custom")
         op = AttentionOp(name=f"instrument:{impl}", config_key="", targets=(),
-                         read=reader_for_layout(layout, heads), impl=impl,
+                         read=reader_for_layout(layout, heads, fn, causal_arg), impl=impl,
                          output=lambda out: out[0] if isinstance(out, (tuple, list)) else out)
         if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
             base_apply = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
@@ -496,19 +497,22 @@ def step() -> None:
 
 
 def instrument(fn: Any, name: str | None = None, *, layout: str = "BHSD",
-               heads: int | None = None) -> Any:
+               heads: int | None = None, causal_arg: int | str | None = None) -> Any:
     """Measure the user's own attention op: an autograd.Function class or a function.
 
     For a Function class, existing ``Cls.apply(...)`` call sites are measured and the class is
     returned; for a function, module globals bound to it are rebound and the wrapper is returned.
-    `layout` says how its first three tensor arguments (q, k, v) are laid out.
+    `layout` says how its first three tensor arguments (q, k, v) are laid out. Causal is read
+    from the parameter named ``is_causal`` or ``causal`` (Function: of its ``forward``), by
+    position or keyword, with its default when a call leaves it out; `causal_arg` names another
+    parameter, or gives its position in the call (``Fn.apply(q, k, v, True)``: 3).
     """
-    reader_for_layout(layout, heads)  # validate now, with a clear error
+    reader_for_layout(layout, heads, fn, causal_arg)  # validate now, with a clear error
     with _lock:
         if any(entry[0] is fn for entry in _instrumented):
             return fn
-        _instrumented.append((fn, name, layout, heads))
+        _instrumented.append((fn, name, layout, heads, causal_arg))
         s = _session
         if s is not None and not isinstance(s, _DisabledSession):
-            return s._instrument(fn, name, layout, heads)
+            return s._instrument(fn, name, layout, heads, causal_arg)
     return fn
