@@ -9,6 +9,7 @@ Without a toolchain everything works the same with Python marks, at a higher hos
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import shutil
@@ -125,11 +126,16 @@ def cached(kind: str) -> bool:
 
 
 def _build_dir(kind: str) -> Path | None:
-    """torch's cache folder for this build (through a private helper of torch's; None if gone)."""
+    """This build's cache folder: torch's (through a private helper of torch's; None if gone),
+    one sub-folder per torch installation. torch keys its cache by the extension's name only, so
+    two environments (a virtualenv beside the system's Python, say) would otherwise rebuild over
+    each other's build in turn, each build waiting on the other's lock."""
     try:
+        import torch
         from torch.utils import cpp_extension
 
-        return Path(cpp_extension._get_build_directory(module_name(kind), verbose=False))
+        env = hashlib.sha1(f"{torch.__file__}|{torch.__version__}".encode()).hexdigest()[:12]
+        return Path(cpp_extension._get_build_directory(module_name(kind), verbose=False)) / env
     except Exception:
         return None
 
@@ -159,12 +165,13 @@ def _build(kind: str) -> ModuleType:
         raise RuntimeError("FADIAG_NATIVE_DISABLE is set")
     folder = _build_dir(kind)
     if folder is not None:
+        folder.mkdir(parents=True, exist_ok=True)
         clear_stale_lock(folder)
     cuda = kind == "cuda"
     flags = ["-O2", "-DFADIAG_CUDA"] if cuda else ["-O2"]
     return cpp_extension.load(name=module_name(kind), sources=[str(p) for p in SOURCES],
-                              extra_cflags=flags,
-                              with_cuda=cuda, verbose=False)
+                              extra_cflags=flags, with_cuda=cuda, verbose=False,
+                              build_directory=None if folder is None else str(folder))
 
 
 def _first_line(e: BaseException) -> str:

@@ -175,14 +175,18 @@ def test_forward_and_backward_within_5_percent_of_cupti_kernel_time(backend, s, 
 
 @pytest.mark.parametrize("backend", ["flash", "cudnn"])
 @pytest.mark.parametrize("s", [1024, 4096])
-def test_flash_and_cudnn_raise_no_flag(backend, s):
+def test_flash_and_cudnn_raise_no_warning_flag(backend, s):
+    """Flash and cuDNN measure 3.0-3.6x at these shapes on the H200 (the ratio grid): the user's
+    3x rule still flags them, as info that names the band ("the kernel, not a fault")."""
     session = fadiag.attach(port=0)
     run_steps(backend, s, steps=5, b=4)
     assert session.flush(30)
     flags = [f for r in session.history() for f in r.flags]
     print(f"{backend} S={s} B=4: bwd/fwd per step",
           [round(r.ratio, 2) for r in session.history()])
-    assert flags == [], [f.message for f in flags]
+    assert [f for f in flags if f.severity != "info"] == [], [f.message for f in flags]
+    assert all(f.rule == "backward_forward_ratio" and f.band and "not a fault" in f.message
+               for f in flags), [f.message for f in flags]
     assert session.last_step().memory_savings > 0.8
 
 
@@ -193,7 +197,8 @@ def test_mem_efficient_backend_raises_the_ratio_flag(s):
     assert session.flush(30)
     flags = [f for r in session.history() for f in r.flags]
     assert [f.rule for f in flags] == ["backward_forward_ratio"], [f.message for f in flags]
-    assert flags[0].impl == "efficient" and "mem-efficient" in flags[0].message
+    assert flags[0].impl == "efficient" and "impl=efficient" in flags[0].message
+    assert flags[0].severity in ("info", "warning") and flags[0].band, flags[0].message
     print(f"efficient S={s}: ratio {flags[0].value:.2f}")
 
 
