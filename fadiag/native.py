@@ -127,14 +127,16 @@ def cached(kind: str) -> bool:
 
 def _build_dir(kind: str) -> Path | None:
     """This build's cache folder: torch's (through a private helper of torch's; None if gone),
-    one sub-folder per torch installation. torch keys its cache by the extension's name only, so
-    two environments (a virtualenv beside the system's Python, say) would otherwise rebuild over
-    each other's build in turn, each build waiting on the other's lock."""
+    one sub-folder per torch installation and fadiag checkout. torch keys its cache by the
+    extension's name only, so two environments (a virtualenv beside the system's Python, say) or
+    two checkouts would otherwise rebuild over each other's build in turn, each build waiting on
+    the other's lock."""
     try:
         import torch
         from torch.utils import cpp_extension
 
-        env = hashlib.sha1(f"{torch.__file__}|{torch.__version__}".encode()).hexdigest()[:12]
+        where = f"{torch.__file__}|{torch.__version__}|{SOURCES[0].parent}"
+        env = hashlib.sha1(where.encode()).hexdigest()[:12]
         return Path(cpp_extension._get_build_directory(module_name(kind), verbose=False)) / env
     except Exception:
         return None
