@@ -91,6 +91,7 @@ class Session:
 
         session = fadiag.attach(port=0)
         train()
+        session.flush()  # steps are resolved asynchronously: wait for the last one
         report = session.last_step()
         print(session.port, report.ratio, report.memory_savings)
     """
