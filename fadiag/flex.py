@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from .ops import AttentionOp, CallInfo, _bhsd, _opt, first_tensor
+from .patcher import user_globals
 
 MODULE = "torch.nn.attention.flex_attention"
 log = logging.getLogger("fadiag")
@@ -271,18 +272,9 @@ def install(patcher: Any, recorder: Any) -> None:
 
     compile.__wrapped_by_fadiag__ = True  # type: ignore[attr-defined]
     patcher.replace(torch, "compile", compile)
-    from .patcher import _SKIP_MODULE_PREFIXES
-
-    for name, module in list(sys.modules.items()):
-        if module is None or name.startswith(_SKIP_MODULE_PREFIXES):
-            continue
-        try:
-            namespace = vars(module)
-        except TypeError:
-            continue
-        for attr, value in list(namespace.items()):
-            if _compiled_from(value, flex):
-                patcher.replace(module, attr, measured(value))
+    for module, attr, value in user_globals():
+        if _compiled_from(value, flex):
+            patcher.replace(module, attr, measured(value))
 
 
 EAGER = AttentionOp(

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Iterator
 from typing import Any
 
 _SKIP_MODULE_PREFIXES = ("torch.", "fadiag.", "_pytest", "numpy.")
@@ -54,18 +55,11 @@ class Patcher:
     def rebind_everywhere(self, original: Any, new: Any) -> int:
         """Point every module global that *is* `original` at `new`; returns how many."""
         count = 0
-        for name, module in list(sys.modules.items()):
-            if module is None or name.startswith(_SKIP_MODULE_PREFIXES):
-                continue
-            try:
-                namespace = vars(module)
-            except TypeError:
-                continue
-            for attr, value in list(namespace.items()):
-                if value is original:
-                    self._patches.append((module, attr, original, True))
-                    namespace[attr] = new
-                    count += 1
+        for module, attr, value in user_globals():
+            if value is original:
+                self._patches.append((module, attr, original, True))
+                vars(module)[attr] = new
+                count += 1
         return count
 
     def restore(self) -> None:
@@ -86,3 +80,16 @@ class Patcher:
 
     def __len__(self) -> int:
         return len(self._patches) + len(self._items)
+
+
+def user_globals() -> Iterator[tuple[Any, str, Any]]:
+    """(module, name, value) for each global of each imported module outside torch and fadiag."""
+    for name, module in list(sys.modules.items()):
+        if module is None or name.startswith(_SKIP_MODULE_PREFIXES):
+            continue
+        try:
+            namespace = vars(module)
+        except TypeError:
+            continue
+        for attr, value in list(namespace.items()):
+            yield module, attr, value

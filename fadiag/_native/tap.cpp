@@ -193,24 +193,15 @@ class TapState {
       r.sk = s.max_k >= 0 && args[s.max_k].isInt() ? args[s.max_k].toInt() : k.size(0);
       r.kv_heads = k.size(1);
       r.dv = v.size(2);
-    } else if (q.dim() == 4) {
-      if (s.bshd) {
-        r.b = q.size(0);
-        r.sq = q.size(1);
-        r.h = q.size(2);
-        r.d = q.size(3);
-        r.sk = k.size(1);
-        r.kv_heads = k.size(2);
-        r.dv = v.size(3);
-      } else {
-        r.b = q.size(0);
-        r.h = q.size(1);
-        r.sq = q.size(2);
-        r.d = q.size(3);
-        r.sk = k.size(2);
-        r.kv_heads = k.size(1);
-        r.dv = v.size(3);
-      }
+    } else if (q.dim() == 4) {  // (B, H, S, D), or (B, S, H, D)
+      const int64_t seq = s.bshd ? 1 : 2, heads = s.bshd ? 2 : 1;
+      r.b = q.size(0);
+      r.h = q.size(heads);
+      r.sq = q.size(seq);
+      r.d = q.size(3);
+      r.sk = k.size(seq);
+      r.kv_heads = k.size(heads);
+      r.dv = v.size(3);
     } else {
       return false;
     }
