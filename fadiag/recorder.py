@@ -206,6 +206,8 @@ class Recorder:
     def stop(self) -> None:
         self.enabled = False
         self.measuring = False
+        if self.tap is not None:  # a forked child keeps the registrations: they pass through
+            self.tap.set_measuring(False)
 
     def _read_config(self) -> None:
         self.compiled_autograd_configured = compiled_autograd_configured()

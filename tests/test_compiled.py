@@ -57,10 +57,15 @@ def _run(model: torch.nn.Module, steps: int, attached: bool) -> Run:
     session = fadiag.attach(port=0, tap="on") if attached else None
     try:
         # Inductor's deterministic mode: no choice made by benchmarking on the machine, so two
-        # compilations of one model make the same code whatever the machine's load.
-        with torch._inductor.config.patch(deterministic=True):
+        # compilations of one model make the same code whatever the machine's load. The compile
+        # caches are off so that both runs compile the same way (one cold, one served from
+        # the other's cache would not be compared like with like).
+        with torch._inductor.config.patch(deterministic=True, fx_graph_cache=False), \
+                torch._functorch.config.patch(enable_autograd_cache=False):
             losses = train(torch.compile(model), steps, seq=SEQ, batch=BATCH)
-        counters = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()
+        # What dynamo and AOTAutograd compiled (not whether a compile cache served it).
+        counters = {k: {n: c for n, c in v.items() if "cache" not in n}
+                    for k, v in torch._dynamo.utils.counters.items()
                     if k in ("stats", "graph_break", "recompiles", "aot_autograd")}
         if session is None:
             return Run(losses, counters, [], None)

@@ -119,8 +119,10 @@ def test_force_math_raises_the_memory_savings_flag(tmp_path: Path) -> None:
 
 
 def test_slow_backward_raises_the_ratio_flag_for_the_instrumented_function() -> None:
+    # The ratio rule judges steady state: not the first warmup_steps (3) steps, and on the host
+    # clock the median of a site's last host_median_steps (9); 14 steps leave it two to speak.
     out = io.StringIO()
-    cfg = DemoConfig(steps=4, port=0, slow_backward=True, live=False, **SMALL)
+    cfg = DemoConfig(steps=14, port=0, slow_backward=True, live=False, **SMALL)
     assert run_demo(cfg, out) == 0
     text = out.getvalue()
     assert "impl demo_slow" in text

@@ -84,6 +84,7 @@ struct Record {
   bool cuda = false;
 };
 
+constexpr size_t kMaxPairs = 1 << 16;  // pairing entries kept between drains, at most
 constexpr int64_t kUnmeasured = -2;  // a forward measured by Python, or not at all: its backward too
 
 thread_local int t_depth = 0;   // inside a tapped op: the ops it calls pass through
@@ -288,8 +289,7 @@ class TapState {
       r.phase = phase_;
       const int64_t id = next_id_++;
       records_.push_back(r);
-      if (p.lse != nullptr) by_ptr_[p.lse] = id;
-      if (p.out != nullptr) by_ptr_[p.out] = id;
+      pair(p, id);
     } catch (...) {
       errors_.fetch_add(1);
     }
@@ -297,14 +297,20 @@ class TapState {
 
   void remember(c10::ArrayRef<c10::IValue> results, const Spec& s, int64_t id) {
     try {
-      const void* lse = ptr_of(results[s.lse]);
-      const void* out = ptr_of(results[s.out]);
+      const Ptr p{ptr_of(results[s.out]), ptr_of(results[s.lse])};
       std::lock_guard<std::mutex> lock(mu_);
-      if (lse != nullptr) by_ptr_[lse] = id;
-      if (out != nullptr) by_ptr_[out] = id;
+      pair(p, id);
     } catch (...) {
       errors_.fetch_add(1);
     }
+  }
+
+  // Under mu_. Entries live until the next drain; a process that never ends a step (inference
+  // with no optimizer) must not grow them without bound, so past kMaxPairs they start over.
+  void pair(const Ptr& p, int64_t id) {
+    if (by_ptr_.size() >= kMaxPairs) by_ptr_.clear();
+    if (p.lse != nullptr) by_ptr_[p.lse] = id;
+    if (p.out != nullptr) by_ptr_[p.out] = id;
   }
 
   // Bytes of what the forward kept for this backward: the arguments Python named as such,
