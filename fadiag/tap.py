@@ -160,7 +160,8 @@ class Tap:
         """A CUDA graph is being captured: the Python wrappers must take no marks."""
         self.cuda_graph_calls = 0
         """Attention calls replayed inside CUDA graphs (captured calls times replays)."""
-        self._counted: dict[str, int] = collections.Counter()
+        self.no_grad = 0
+        """Forwards with no backward (evaluation), dropped unless steps.record_no_grad."""
         self.ops: list[str] = []
 
     def install(self) -> None:
@@ -181,11 +182,9 @@ class Tap:
     def counts(self) -> dict[str, int]:
         """Calls seen and not measured, by reason, since install (cumulative)."""
         c = dict(self._tap.counts())
-        c.pop("captured", None)
-        errors = c.pop("errors", 0)
+        del c["captured"]  # counted per replay instead, as cuda_graph
         c["cuda_graph"] = self.cuda_graph_calls
-        c["no_grad"] = self._counted["no_grad"]
-        c["errors"] = errors
+        c["no_grad"] = self.no_grad
         return c
 
     # ---- records -> calls ----------------------------------------------------------------------
@@ -224,7 +223,7 @@ class Tap:
              _scale, recompute, _, kept, cuda) = r
             timer = self.timers["cuda" if cuda else "cpu"]
             if not recompute and (phase, n) not in backward_by_site and not record_no_grad:
-                self._counted["no_grad"] += 1
+                self.no_grad += 1
                 timer.release(f0, f1, b0, b1)
                 continue
             if kept is None:
