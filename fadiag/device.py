@@ -192,6 +192,10 @@ class NativeTimer:
     def release(self, *marks: Any) -> None:
         self._give_back_all([m for m in marks if m is not None])
 
+    def pool(self) -> Any:
+        """The C++ pool these marks are slots of (the dispatcher tap takes its marks from it)."""
+        return self._marks.pool()
+
     def new_errors(self) -> int:
         """Marks that failed in C++ since the last call (hooks cannot raise into autograd)."""
         total = self._marks.errors()

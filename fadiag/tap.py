@@ -43,8 +43,11 @@ class TapOp:
     """(B, S, H, D) tensors, or packed (T, H, D) ones with cumulative lengths (varlen)."""
 
 
-def _pair(name: str, impl: str, backward: str = "_backward", bshd: bool = False) -> tuple[TapOp, ...]:
-    return TapOp(name, impl, bshd=bshd), TapOp(name + backward, impl, True, bshd)
+def _pair(forward: str, impl: str, bshd: bool = False,
+          backward: str | None = None) -> tuple[TapOp, TapOp]:
+    """A forward op and its backward op (by default the forward's name + ``_backward``)."""
+    return (TapOp(forward, impl, bshd=bshd),
+            TapOp(backward or forward + "_backward", impl, True, bshd))
 
 
 TAP_OPS: tuple[TapOp, ...] = (
@@ -52,16 +55,14 @@ TAP_OPS: tuple[TapOp, ...] = (
     *_pair("aten::_scaled_dot_product_efficient_attention", "efficient"),
     *_pair("aten::_scaled_dot_product_cudnn_attention", "cudnn"),
     *_pair("aten::_scaled_dot_product_flash_attention_for_cpu", "cpu_flash"),
-    TapOp("aten::_flash_attention_forward", "flash", bshd=True),
-    TapOp("aten::_flash_attention_backward", "flash", True, True),
-    TapOp("aten::_efficient_attention_forward", "efficient", bshd=True),
-    TapOp("aten::_efficient_attention_backward", "efficient", True, True),
-    TapOp("flash_attn::_flash_attn_forward", "flash_attn", bshd=True),
-    TapOp("flash_attn::_flash_attn_backward", "flash_attn", True, True),
-    TapOp("flash_attn::_flash_attn_varlen_forward", "flash_attn", bshd=True),
-    TapOp("flash_attn::_flash_attn_varlen_backward", "flash_attn", True, True),
-    TapOp("flash_attn_3::_flash_attn_forward", "flash_attn3", bshd=True),
-    TapOp("flash_attn_3::_flash_attn_backward", "flash_attn3", True, True),
+    *_pair("aten::_flash_attention_forward", "flash", True, "aten::_flash_attention_backward"),
+    *_pair("aten::_efficient_attention_forward", "efficient", True,
+           "aten::_efficient_attention_backward"),
+    *_pair("flash_attn::_flash_attn_forward", "flash_attn", True, "flash_attn::_flash_attn_backward"),
+    *_pair("flash_attn::_flash_attn_varlen_forward", "flash_attn", True,
+           "flash_attn::_flash_attn_varlen_backward"),
+    *_pair("flash_attn_3::_flash_attn_forward", "flash_attn3", True,
+           "flash_attn_3::_flash_attn_backward"),
 )
 
 _ARGS = {
@@ -134,10 +135,10 @@ class Tap:
 
     Example::
 
-        tap = Tap(extension, devices)   # the native module of fadiag/native.py
+        tap = Tap(native.load("cpu"), max_records=4096)
         tap.install()
-        ...                             # compiled training
-        calls = tap.drain(Call)         # at a step boundary: the step's calls
+        ...                                          # compiled training
+        calls = tap.drain(Call, record_no_grad=False)  # at a step boundary: the step's calls
         tap.uninstall()
     """
 
@@ -146,10 +147,8 @@ class Tap:
         self.timers = {"cpu": NativeTimer("cpu", extension)}
         if cuda:
             self.timers["cuda"] = NativeTimer("cuda", extension, torch.cuda)
-        cuda_marks = self.timers["cuda"]._marks if cuda else None
-        self._tap = extension.Tap(self.timers["cpu"]._marks.pool(),
-                                  cuda_marks.pool() if cuda_marks is not None else None,
-                                  max_records)
+        self._tap = extension.Tap(self.timers["cpu"].pool(),
+                                  self.timers["cuda"].pool() if cuda else None, max_records)
         self.enter = extension.Tap.enter
         self.exit = extension.Tap.exit
         self._signatures: dict[Any, Signature] = {}

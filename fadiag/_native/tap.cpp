@@ -28,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -172,10 +173,26 @@ class TapState {
     return t.defined() && t.numel() > 0 ? t.data_ptr() : nullptr;
   }
 
-  Pool* pool_for(const at::Tensor& t) const {
-    if (t.is_cpu()) return cpu_.get();
-    if (t.is_cuda()) return cuda_.get();
+  // The pool whose marks time a call on `type`; null for a device the tap does not time.
+  Pool* pool_for(c10::DeviceType type) const {
+    if (type == c10::DeviceType::CPU) return cpu_.get();
+    if (type == c10::DeviceType::CUDA) return cuda_.get();
     return nullptr;
+  }
+
+  // The original kernel between two marks: (start, end). The op's own error passes through,
+  // its start mark given back.
+  static std::pair<int64_t, int64_t> timed(Pool* pool, const c10::SafeKernelFunction& original,
+                                           const c10::OperatorHandle& op,
+                                           c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+    const int64_t start = pool->take_marked();
+    try {
+      original.callBoxed(op, ks, stack);
+    } catch (...) {
+      pool->give_back(start);
+      throw;
+    }
+    return {start, pool->take_marked()};
   }
 
   // Shape, dtype and flags from the arguments; false when they cannot be read.
@@ -231,9 +248,7 @@ class TapState {
           sampled_.fetch_add(1);
         } else if (!read(s, torch::jit::last(*stack, nargs), r)) {
           unreadable_.fetch_add(1);
-        } else if ((pool = r.device_type == c10::DeviceType::CPU    ? cpu_.get()
-                           : r.device_type == c10::DeviceType::CUDA ? cuda_.get()
-                                                                    : nullptr) == nullptr) {
+        } else if ((pool = pool_for(r.device_type)) == nullptr) {
           other_device_.fetch_add(1);
         } else {
           measure = true;
@@ -264,14 +279,7 @@ class TapState {
     }
 #endif
     r.recompute = torch::autograd::get_current_graph_task_id() != -1;
-    r.f0 = pool->take_marked();
-    try {
-      original.callBoxed(op, ks, stack);
-    } catch (...) {
-      pool->give_back(r.f0);
-      throw;
-    }
-    r.f1 = pool->take_marked();
+    std::tie(r.f0, r.f1) = timed(pool, original, op, ks, stack);
     try {
       auto results = torch::jit::last(*stack, nrets);
       Ptr p{ptr_of(results[s.out]), ptr_of(results[s.lse])};
@@ -361,7 +369,7 @@ class TapState {
       if (id == -1) unpaired_.fetch_add(1);
       if (id >= 0 && args[s.q].isTensor()) {
         const at::Tensor& q = args[s.q].toTensor();
-        pool = pool_for(q);
+        pool = pool_for(q.device().type());
         cuda = q.is_cuda();
         device = q.device().index();
         kept = kept_bytes(s, args);
@@ -378,14 +386,7 @@ class TapState {
     std::optional<c10::cuda::CUDAGuard> guard;
     if (cuda) guard.emplace(device);
 #endif
-    const int64_t b0 = pool->take_marked();
-    try {
-      original.callBoxed(op, ks, stack);
-    } catch (...) {
-      pool->give_back(b0);
-      throw;
-    }
-    const int64_t b1 = pool->take_marked();
+    const auto [b0, b1] = timed(pool, original, op, ks, stack);
     std::lock_guard<std::mutex> lock(mu_);
     const int64_t index = id - first_id_;
     if (index >= 0 && index < static_cast<int64_t>(records_.size()) &&
