@@ -180,6 +180,13 @@ class TapState {
     return nullptr;
   }
 
+#ifdef FADIAG_CUDA
+  // Whether the current stream (of the device a guard made current) is being captured.
+  static bool capturing() {
+    return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
+  }
+#endif
+
   // The original kernel between two marks: (start, end). The op's own error passes through,
   // its start mark given back.
   static std::pair<int64_t, int64_t> timed(Pool* pool, const c10::SafeKernelFunction& original,
@@ -270,7 +277,7 @@ class TapState {
     std::optional<c10::cuda::CUDAGuard> guard;
     if (r.cuda) {
       guard.emplace(static_cast<c10::DeviceIndex>(r.device_index));
-      if (c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None) {
+      if (capturing()) {
         captured_.fetch_add(1);  // counted per replay by Python (torch.cuda.CUDAGraph.replay)
         original.callBoxed(op, ks, stack);
         remember(torch::jit::last(*stack, nrets), s, kUnmeasured);
@@ -384,7 +391,16 @@ class TapState {
     }
 #ifdef FADIAG_CUDA
     std::optional<c10::cuda::CUDAGuard> guard;
-    if (cuda) guard.emplace(device);
+    if (cuda) {
+      guard.emplace(device);
+      // A backward captured into a CUDA graph (its forward measured outside one): a timing
+      // event recorded while the stream captures would fail, and invalidate the capture.
+      if (capturing()) {
+        unpaired_.fetch_add(1);
+        original.callBoxed(op, ks, stack);
+        return;
+      }
+    }
 #endif
     const auto [b0, b1] = timed(pool, original, op, ks, stack);
     std::lock_guard<std::mutex> lock(mu_);
