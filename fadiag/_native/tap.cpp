@@ -352,6 +352,13 @@ class TapState {
     return total;
   }
 
+  // Under mu_: whether record `id` is in the log and has no backward yet.
+  bool waiting(int64_t id) const {
+    const int64_t index = id - first_id_;
+    return index >= 0 && index < static_cast<int64_t>(records_.size()) &&
+           records_[static_cast<size_t>(index)].b0 < 0;
+  }
+
   void backward(const Spec& s, const c10::SafeKernelFunction& original,
                 const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
     const size_t nargs = op.schema().arguments().size();
@@ -365,13 +372,21 @@ class TapState {
       const void* lse = ptr_of(args[s.lse]);
       const void* out = ptr_of(args[s.out]);
       {
+        // By logsumexp, else by output: the first that names a forward still waiting for its
+        // backward. Under checkpointing one of them can be an address a freed tensor of an
+        // earlier recomputation had (seen on CPU: the backward's logsumexp matched the layer
+        // recomputed before it, its output the right one).
         std::lock_guard<std::mutex> lock(mu_);
-        auto found = lse != nullptr ? by_ptr_.find(lse) : by_ptr_.end();
-        if (found == by_ptr_.end() && out != nullptr) found = by_ptr_.find(out);
-        if (found != by_ptr_.end()) {
-          id = found->second;
-          backward_since_forward_ = true;
+        for (const void* key : {lse, out}) {
+          auto found = key != nullptr ? by_ptr_.find(key) : by_ptr_.end();
+          if (found == by_ptr_.end()) continue;
+          if (id == -1) id = found->second;  // kUnmeasured, or a candidate
+          if (found->second >= 0 && waiting(found->second)) {
+            id = found->second;
+            break;
+          }
         }
+        if (id != -1) backward_since_forward_ = true;
       }
       if (id == -1) unpaired_.fetch_add(1);
       if (id >= 0 && args[s.q].isTensor()) {
@@ -404,10 +419,8 @@ class TapState {
 #endif
     const auto [b0, b1] = timed(pool, original, op, ks, stack);
     std::lock_guard<std::mutex> lock(mu_);
-    const int64_t index = id - first_id_;
-    if (index >= 0 && index < static_cast<int64_t>(records_.size()) &&
-        records_[static_cast<size_t>(index)].b0 < 0) {
-      Record& r = records_[static_cast<size_t>(index)];
+    if (waiting(id)) {
+      Record& r = records_[static_cast<size_t>(id - first_id_)];
       r.b0 = b0;
       r.b1 = b1;
       r.kept = kept;
