@@ -436,8 +436,9 @@ def overview() -> dict:
             "Attention seconds (forward + backward) of the last resolved step at each scrape, by "
             "rank, and the regression baseline fadiag holds for it (dashed: rolling median or "
             "baseline file, for that step's shapes and the sites the file covers). The "
-            "regression alert fires when the 5-minute median of their ratio "
-            "(fadiag_attention_regression_ratio) stays over 1.2x.",
+            "regression alert fires while fadiag's regression flag is open (sustained, beyond "
+            "the warm-up's spread) and shows the 5-minute median of their ratio "
+            "(fadiag_attention_regression_ratio).",
             [
                 target(
                     f"fadiag_step_attention_forward_seconds{{{SEL}}}\n"
