@@ -9,13 +9,12 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
 from .config import Config
 from .config_loader import load_config
 from .errors import ConfigError, FadiagError
 from .records import CallRecord, Flag, StepReport
 from .session import Session, attach, current_session, detach, instrument, step
+from .version import __version__
 
 __all__ = [
     "CallRecord",

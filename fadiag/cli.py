@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from . import __version__
+from .version import __version__
 
 COMMANDS = ("demo", "bench", "calibrate", "estimate", "report", "run", "baseline", "check_config",
             "doctor")

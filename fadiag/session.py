@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import __version__
+from .version import __version__
 from . import baseline as baseline_mod
 from .config import Config
 from .config_loader import load_config

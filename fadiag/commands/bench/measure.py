@@ -18,7 +18,8 @@ from typing import Any
 
 import torch
 
-from ... import __version__, memory
+from ... import memory
+from ...version import __version__
 from ...device import available
 from ...errors import FadiagError
 from ..estimate.arithmetic import human_bytes

@@ -55,7 +55,7 @@ class Query:
 
 def diagnose(query: Query, build_native: bool = False) -> dict[str, Any]:
     """Everything `fadiag doctor` reports, as plain JSON-able data."""
-    from ... import __version__
+    from ...version import __version__
 
     devices = _devices()
     return {
