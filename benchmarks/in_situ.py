@@ -30,7 +30,7 @@ import overhead  # noqa: E402
 from overhead import GPT, build, variant  # noqa: E402
 
 import fadiag  # noqa: E402
-from fadiag import native  # noqa: E402
+from fadiag.capture import native  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
 # fadiag's pieces, timed where they run: (where to find the object, attribute). Not the site

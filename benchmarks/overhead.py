@@ -181,7 +181,7 @@ def floor(name: str):
             pool.extend((a, b))
             return out
     else:
-        from fadiag import native
+        from fadiag.capture import native
 
         marks = native.load("cuda").Marks(True)
         marks.ensure(4)
@@ -357,7 +357,7 @@ def main() -> None:
                    help="also measure host RSS and device memory over this many steps (e.g. 10000)")
     args = p.parse_args()
     variants = args.variants.split(",")
-    from fadiag import native
+    from fadiag.capture import native
 
     # Build (or load) the native marks up front, so "fadiag" uses them from its first step.
     print(f"native marks: {'loaded' if native.load('cuda') else native.status('cuda')}", flush=True)

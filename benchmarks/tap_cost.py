@@ -48,9 +48,9 @@ def run(device: str, calls: int, boundary=lambda: fadiag.step()) -> float:
 
 def raw_tap():
     """The tap alone, without a session: its records drained and their marks given back."""
-    from fadiag import native
+    from fadiag.capture import native
+    from fadiag.capture.tap import Tap
     from fadiag.recorder import Call
-    from fadiag.tap import Tap
 
     tap = Tap(native.load("cuda" if torch.cuda.is_available() else "cpu"), 4096)
     tap.install()

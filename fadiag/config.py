@@ -355,12 +355,12 @@ class Config:
     device: str = "auto"
     """Timing backend: auto (each tensor's device), cpu, cuda or npu."""
     native: str = "auto"
-    """Timing marks in C++ (fadiag/native.py). auto: on CUDA, built or loaded in the background
+    """Timing marks in C++ (fadiag/capture/native.py). auto: on CUDA, built or loaded in the background
     and used from then on (Python marks until then, and wherever no C++ compiler is present);
     on: also on CPU, built at first use, waiting for it; off: Python marks only. NPU: Python.
     true and false (what YAML makes of a bare on and off) mean on and off."""
     tap: str = "auto"
-    """The dispatcher tap (fadiag/tap.py): measures the fused attention ops that no Python wrapper
+    """The dispatcher tap (fadiag/capture/tap.py): measures the fused attention ops that no Python wrapper
     sees (torch.compile'd code). auto: the native extension is built or loaded in the background
     and the tap installed at the first step boundary after; on: built at attach(), waiting for
     it; off: compiled attention is not measured. Needs torch >= 2.9 and a C++ compiler."""

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from . import backends
-from .device import Devices, window_peak
-from .graph import (
+from .capture import backends
+from .capture.device import Devices, window_peak
+from .capture.graph import (
     SavedBytes,
     compiled_autograd_active,
     compiled_autograd_configured,
@@ -28,8 +28,8 @@ from .graph import (
     follow,
     in_reentrant_checkpoint,
 )
+from .capture.ops import AttentionOp, CallInfo, mask_key, quick_sdpa
 from .memory import standard_bytes
-from .ops import AttentionOp, CallInfo, mask_key, quick_sdpa
 from .records import Shape
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
@@ -187,7 +187,7 @@ class Recorder:
         self._fast_timer: Any = None
         self._fast_op: AttentionOp | None = None
         self.tap: Any = None
-        """The dispatcher tap (fadiag/tap.py) once installed: its calls join each step's."""
+        """The dispatcher tap (fadiag/capture/tap.py) once installed: its calls join each step's."""
         self.pending: Callable[[], None] | None = None
         """Work for the training thread at the next boundary (installing the tap: registering
         kernels while another thread dispatches ops is not safe)."""

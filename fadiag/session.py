@@ -19,23 +19,23 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from .version import __version__
 from . import baseline as baseline_mod
+from .capture.device import Devices, default_device_type
+from .capture.ops import OPS, AttentionOp, read_hf, reader_for_layout, resolve_target
+from .capture.patcher import Patcher
+from .capture.tap import Tap
+from .capture.tap import supported as tap_supported
 from .config import Config
 from .config_loader import load_config
-from .device import Devices, default_device_type
 from .errors import FadiagError
 from .exporter import Metrics, Server
 from .jsonl import JsonlSink
-from .ops import OPS, AttentionOp, read_hf, reader_for_layout, resolve_target
-from .patcher import Patcher
 from .recorder import ClosedStep, Recorder
 from .records import Flag, StepReport
 from .resolver import Resolver
 from .rules import Rules
 from .sinks import CallbackSink, FanOut, Sink
-from .tap import Tap
-from .tap import supported as tap_supported
+from .version import __version__
 
 log = logging.getLogger("fadiag")
 
@@ -187,7 +187,7 @@ class Session:
         self._start_tap()
 
     def _start_tap(self) -> None:
-        """The dispatcher tap for attention no Python wrapper sees (fadiag/tap.py), as `tap` says."""
+        """The dispatcher tap for attention no Python wrapper sees (fadiag/capture/tap.py), as `tap` says."""
         mode = self.config.tap
         if mode == "off":
             return
@@ -195,7 +195,7 @@ class Session:
         if why is not None:
             self._tap_unavailable(why)
             return
-        from . import native
+        from .capture import native
 
         kind = "cuda" if torch.cuda.is_available() else "cpu"
         if mode == "on":

@@ -26,7 +26,7 @@ def _detached():
 def _native_extension():
     """Build (or load) the native extension once, so that the dispatcher tap's default (`auto`)
     installs it at attach() in every test, as it does in a process where it is already built."""
-    from fadiag import native
+    from fadiag.capture import native
 
     if all(native.toolchain().values()):
         native.load("cuda" if torch.cuda.is_available() else "cpu")

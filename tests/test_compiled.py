@@ -1,7 +1,7 @@
 """torch.compile'd training, measured by the dispatcher tap like eager training (CPU inductor).
 
 Compiled code calls the fused SDPA op and its backward op through the dispatcher, where no
-Python wrapper runs; the tap (fadiag/tap.py, _native/tap.cpp) measures them there.
+Python wrapper runs; the tap (fadiag/capture/tap.py, capture/_native/tap.cpp) measures them there.
 """
 
 from __future__ import annotations
@@ -16,10 +16,10 @@ import torch.nn.functional as F
 from prometheus_client import CollectorRegistry
 
 import fadiag
-from fadiag import native
+from fadiag.capture import native
+from fadiag.capture.tap import TAP_OPS, specs
+from fadiag.capture.tap import supported as tap_supported
 from fadiag.records import StepReport
-from fadiag.tap import TAP_OPS, specs
-from fadiag.tap import supported as tap_supported
 from tests.models import GPT, train
 
 SEQ, BATCH, DIM, HEADS, LAYERS = 64, 2, 32, 2, 2

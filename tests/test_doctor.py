@@ -80,7 +80,7 @@ def test_cuda_verdicts_come_from_torchs_checks_with_their_warnings(
 
 def test_native_marks_are_reported_and_built_on_request(capsys: pytest.CaptureFixture[str],
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
-    from fadiag import native
+    from fadiag.capture import native
 
     built = []
     monkeypatch.setattr(native, "load", lambda kind: built.append(kind))

@@ -15,8 +15,8 @@ import torch.nn.attention.flex_attention as fam
 from prometheus_client import CollectorRegistry
 
 import fadiag
-from fadiag import flex
-from fadiag.ops import OPS
+from fadiag.capture import flex
+from fadiag.capture.ops import OPS
 from fadiag.records import CallRecord, StepReport
 
 S = 512

@@ -23,7 +23,7 @@ pytestmark = [
 @pytest.fixture(scope="module", autouse=True)
 def native_marks_built():
     """Build (or load) the native marks once, so `native: auto` uses them from the first call."""
-    from fadiag import native
+    from fadiag.capture import native
 
     module = native.load("cuda")
     print(f"native marks: {native.status('cuda')}")
@@ -34,7 +34,7 @@ def native_marks_built():
 def marks(request, native_marks_built):
     """`native` setting for attach(): each test using it runs with C++ marks and Python marks."""
     if request.param == "native" and native_marks_built is None:
-        from fadiag import native
+        from fadiag.capture import native
 
         pytest.fail(f"native marks did not build here: {native.status('cuda')}")
     return "on" if request.param == "native" else "off"

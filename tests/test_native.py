@@ -1,6 +1,6 @@
 """The native (C++) marks, on CPU: the same measurements as the Python marks, and safe fallbacks.
 
-The CPU build of `fadiag/_native/marks.cpp` takes host-clock marks in C++ and hooks backward nodes
+The CPU build of `fadiag/capture/_native/marks.cpp` takes host-clock marks in C++ and hooks backward nodes
 in C++, exactly as the CUDA build does with events; the CUDA build is tested on the GPU machine.
 """
 
@@ -20,8 +20,8 @@ import torch
 import torch.nn.functional as F
 
 import fadiag
-from fadiag import native
-from fadiag.device import CpuTimer, Devices, EventTimer, NativeTimer
+from fadiag.capture import native
+from fadiag.capture.device import CpuTimer, Devices, EventTimer, NativeTimer
 from tests.models import GPT, train
 
 

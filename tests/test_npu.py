@@ -100,7 +100,7 @@ def test_npu_training_is_bit_identical_with_fadiag(torch_npu):
 
 
 def test_tnd_layout_reads_batch_and_longest_sequence_from_cumulative_lengths():
-    from fadiag.ops import read_npu_fusion
+    from fadiag.capture.ops import read_npu_fusion
 
     q = torch.randn(10, 4, 16)  # T=10 tokens: sequences of 3 and 7
     k = v = torch.randn(10, 2, 16)
@@ -110,7 +110,7 @@ def test_tnd_layout_reads_batch_and_longest_sequence_from_cumulative_lengths():
 
 
 def test_flash_attn_varlen_reads_batch_from_cu_seqlens():
-    from fadiag.ops import read_flash_attn_varlen
+    from fadiag.capture.ops import read_flash_attn_varlen
 
     q = torch.randn(10, 4, 16)
     cu = torch.tensor([0, 3, 10], dtype=torch.int32)
@@ -121,8 +121,8 @@ def test_flash_attn_varlen_reads_batch_from_cu_seqlens():
 def test_the_cli_finds_an_ascend_device_through_torch_npu(monkeypatch):
     """`fadiag bench` and `fadiag demo` look for a device the same way: npu when torch_npu imports
     and sees one (importing it registers torch.npu), else cuda, else cpu."""
+    from fadiag.capture.device import available
     from fadiag.commands.bench import measure as bench
-    from fadiag.device import available
 
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # not installed: import fails
     assert not available("npu") and available("cpu")

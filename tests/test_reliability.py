@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch.optim.optimizer import _global_optimizer_post_hooks
 
 import fadiag
-from fadiag import jsonl, ops, recorder, rules
+from fadiag import jsonl, recorder, rules
+from fadiag.capture import ops
 from fadiag.cli import main
 from tests.models import GPT, train
 

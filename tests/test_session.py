@@ -376,7 +376,7 @@ def test_outer_saved_tensor_hooks_still_see_what_attention_saves():
 def test_the_quick_argument_reader_agrees_with_the_full_one_in_every_calling_style():
     """The hot path reads SDPA's arguments its own cheap way; the signature it keys on must not
     depend on how the caller spelled them, and must change with anything that changes the kernel."""
-    from fadiag.ops import quick_sdpa, read_sdpa
+    from fadiag.capture.ops import quick_sdpa, read_sdpa
 
     q = torch.randn(1, 2, 8, 4)
     mask = torch.ones(8, 8, dtype=torch.bool)
@@ -427,7 +427,7 @@ class _OnCuda0(torch.Tensor):
 
 def _begin_on_cuda0(timer):
     """Recorder.begin for an SDPA call on "cuda:0" with `timer` as every device's timer."""
-    from fadiag.ops import OPS
+    from fadiag.capture.ops import OPS
     from fadiag.recorder import Recorder
 
     class Devices:
@@ -518,7 +518,7 @@ def test_a_partial_backward_then_a_full_one_on_the_retained_graph():
 def test_a_host_clock_timer_measures_calls_on_any_device():
     # device: cpu times every call with the host clock, whatever the tensors' device: there is no
     # current device to compare with, and no call is counted as other_device.
-    from fadiag.device import CpuTimer
+    from fadiag.capture.device import CpuTimer
 
     rec, call, errors = _begin_on_cuda0(CpuTimer())
     assert call is not None and rec.other_device == 0 and errors == []

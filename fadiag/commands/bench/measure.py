@@ -19,9 +19,9 @@ from typing import Any
 import torch
 
 from ... import memory
-from ...version import __version__
-from ...device import available
+from ...capture.device import available
 from ...errors import FadiagError
+from ...version import __version__
 from ..estimate.arithmetic import human_bytes
 
 DEVICE_BACKENDS = {

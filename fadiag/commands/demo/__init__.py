@@ -37,7 +37,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...device import available
+    from ...capture.device import available
     from ...errors import FadiagError
     from .training import DemoConfig, run_demo
 

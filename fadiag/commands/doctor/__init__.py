@@ -36,7 +36,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ...device import default_device_type
+    from ...capture.device import default_device_type
     from .checks import Query, diagnose, format_text
 
     device = default_device_type() if args.device == "auto" else args.device

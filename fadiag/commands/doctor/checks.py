@@ -73,7 +73,7 @@ def diagnose(query: Query, build_native: bool = False) -> dict[str, Any]:
 
 def _native(devices: dict[str, Any], build: bool) -> dict[str, Any]:
     """The native marks per device kind: built (cached), and with `build`, built or why not."""
-    from ... import native
+    from ...capture import native
 
     kinds = ["cpu"] + (["cuda"] if devices.get("cuda", {}).get("available") else [])
     out: dict[str, Any] = {"toolchain": native.toolchain()}
@@ -87,8 +87,8 @@ def _native(devices: dict[str, Any], build: bool) -> dict[str, Any]:
 def _tap(devices: dict[str, Any]) -> dict[str, Any]:
     """The dispatcher tap (attention in torch.compile'd code): what it would wrap here, and why
     it cannot run where it cannot."""
-    from ... import native
-    from ...tap import specs, supported
+    from ...capture import native
+    from ...capture.tap import specs, supported
 
     kind = "cuda" if devices.get("cuda", {}).get("available") else "cpu"
     why = supported()

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
+from ..recorder import Signature
 from .device import NativeTimer
 from .ops import AttentionOp, CallInfo, read_sdpa
 from .patcher import Patcher
-from .recorder import Signature
 
 log = logging.getLogger("fadiag")
 

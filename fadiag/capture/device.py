@@ -137,7 +137,7 @@ class EventTimer:
 
 
 class NativeTimer:
-    """Marks taken by the native extension (`fadiag/native.py`): a mark is a slot number.
+    """Marks taken by the native extension (`fadiag/capture/native.py`): a mark is a slot number.
 
     Besides `mark()`, it ends a forward in C++ (`finish`: the end mark, then hooks on the
     backward), so the two backward marks need neither the GIL nor a Python call. The pool hands

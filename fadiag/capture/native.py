@@ -22,7 +22,7 @@ from types import ModuleType
 log = logging.getLogger("fadiag")
 
 SOURCES = tuple(Path(__file__).parent / "_native" / name for name in ("marks.cpp", "tap.cpp"))
-"""marks.cpp: the marks and autograd hooks; tap.cpp: the dispatcher tap (fadiag/tap.py); both
+"""marks.cpp: the marks and autograd hooks; tap.cpp: the dispatcher tap (fadiag/capture/tap.py); both
 share _native/pool.h."""
 
 _lock = threading.Lock()
