@@ -23,8 +23,8 @@ from overhead import release_marks  # noqa: E402
 from where_time_goes import per_call_us  # noqa: E402  (the same tiny-call loop)
 
 import fadiag  # noqa: E402
-from fadiag import resolver  # noqa: E402
 from fadiag.capture import native  # noqa: E402
+from fadiag.steps import resolver  # noqa: E402
 from tests.models import GPT  # noqa: E402
 
 VARIANTS = ("plain", "native", "native_no_resolver", "python")

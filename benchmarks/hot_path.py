@@ -27,10 +27,10 @@ from overhead import release_marks  # noqa: E402
 from where_time_goes import per_call_us  # noqa: E402  (the same tiny-call loop)
 
 import fadiag  # noqa: E402
-from fadiag import recorder  # noqa: E402
 from fadiag.capture import backends, native  # noqa: E402
 from fadiag.capture.graph import compiled_autograd_active  # noqa: E402
 from fadiag.capture.ops import OPS  # noqa: E402
+from fadiag.steps import recorder  # noqa: E402
 
 
 def attach(native_setting: str, every_n_steps: int = 1):

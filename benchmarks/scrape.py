@@ -12,7 +12,7 @@ import urllib.request
 from prometheus_client import CollectorRegistry
 
 from fadiag.exporter import Metrics, Server
-from fadiag.records import CallRecord, StepReport
+from fadiag.steps.records import CallRecord, StepReport
 
 
 def main(sites: int = 96, scrapes: int = 200) -> None:

@@ -21,8 +21,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fadiag  # noqa: E402
-from fadiag import recorder, resolver  # noqa: E402
 from fadiag.capture import device  # noqa: E402
+from fadiag.steps import recorder, resolver  # noqa: E402
 
 
 class _Done:

@@ -12,8 +12,8 @@ from __future__ import annotations
 from .config import Config
 from .config_loader import load_config
 from .errors import ConfigError, FadiagError
-from .records import CallRecord, Flag, StepReport
 from .session import Session, attach, current_session, detach, instrument, step
+from .steps.records import CallRecord, Flag, StepReport
 from .version import __version__
 
 __all__ = [

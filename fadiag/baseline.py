@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .errors import BaselineError
-from .records import SiteSummary, StepReport, summarize
+from .steps.records import SiteSummary, StepReport, summarize
 
 FORMAT_VERSION = 2
 """2: keys without the impl, which each entry holds. Version 1 files (impl in the key) load."""

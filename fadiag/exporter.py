@@ -26,8 +26,8 @@ from prometheus_client.core import (
 )
 
 from .errors import FadiagError
-from .records import Flag, StepReport
 from .sinks import Sink
+from .steps.records import Flag, StepReport
 
 log = logging.getLogger("fadiag")
 

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import IO, Any
 
 from .errors import RunLogError
-from .records import Flag, StepReport
 from .sinks import Sink
+from .steps.records import Flag, StepReport
 
 
 class JsonlSink(Sink):

@@ -15,7 +15,7 @@ from .bands import band_for
 from .baseline import Baseline
 from .config import RulesConfig
 from .memory import scores_bytes
-from .records import Flag, SiteSummary, StepReport, ratio, summarize
+from .steps.records import Flag, SiteSummary, StepReport, ratio, summarize
 
 log = logging.getLogger("fadiag")
 

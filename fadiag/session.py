@@ -30,11 +30,11 @@ from .config_loader import load_config
 from .errors import FadiagError
 from .exporter import Metrics, Server
 from .jsonl import JsonlSink
-from .recorder import ClosedStep, Recorder
-from .records import Flag, StepReport
-from .resolver import Resolver
 from .rules import Rules
 from .sinks import CallbackSink, FanOut, Sink
+from .steps.recorder import ClosedStep, Recorder
+from .steps.records import Flag, StepReport
+from .steps.resolver import Resolver
 from .version import __version__
 
 log = logging.getLogger("fadiag")

@@ -19,7 +19,7 @@ import fadiag
 from fadiag.capture import native
 from fadiag.capture.tap import TAP_OPS, specs
 from fadiag.capture.tap import supported as tap_supported
-from fadiag.records import StepReport
+from fadiag.steps.records import StepReport
 from tests.models import GPT, train
 
 SEQ, BATCH, DIM, HEADS, LAYERS = 64, 2, 32, 2, 2

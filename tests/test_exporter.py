@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import fadiag
 from fadiag.exporter import Metrics
 from fadiag.jsonl import JsonlSink, read_run
-from fadiag.records import CallRecord, Flag, StepReport
+from fadiag.steps.records import CallRecord, Flag, StepReport
 from tests.models import GPT, train
 
 CONTRACT = {

@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry
 import fadiag
 from fadiag.capture import flex
 from fadiag.capture.ops import OPS
-from fadiag.records import CallRecord, StepReport
+from fadiag.steps.records import CallRecord, StepReport
 
 S = 512
 _PRECOMPILED = torch.compile(fam.flex_attention)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import fadiag
 from fadiag.integrations import TrainingRun
-from fadiag.records import Flag, StepReport
+from fadiag.steps.records import Flag, StepReport
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -233,7 +233,7 @@ def test_a_lightning_fit_logs_its_last_step_at_the_end(monkeypatch: pytest.Monke
     from lightning.pytorch.loggers import Logger
 
     import fadiag.integrations.lightning as lt
-    from fadiag import resolver
+    from fadiag.steps import resolver
 
     # A fit shorter than the resolver's batching interval: no step resolves while it trains, so
     # only the wait at the end of training brings the figures to the logger.

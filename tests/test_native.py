@@ -408,7 +408,7 @@ def test_the_compiled_autograd_config_flag_is_read_at_step_boundaries(ext, monke
     import torch._dynamo
     from torch._dynamo import compiled_autograd  # noqa: F401  (what compiled code has loaded)
 
-    from fadiag import recorder
+    from fadiag.steps import recorder
 
     monkeypatch.setattr(recorder, "_CONFIG_EVERY_S", 0.0)  # at every boundary
     s = attach(native="on")
@@ -432,7 +432,7 @@ def test_the_compiled_autograd_config_flag_is_read_at_step_boundaries(ext, monke
 
 
 def test_the_compiled_autograd_config_flag_is_read_once_a_second_at_most(ext, monkeypatch):
-    from fadiag import recorder
+    from fadiag.steps import recorder
 
     reads = []
     monkeypatch.setattr(recorder, "compiled_autograd_configured", lambda: reads.append(1) or False)

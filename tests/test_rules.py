@@ -15,8 +15,8 @@ import fadiag
 from fadiag import baseline
 from fadiag.config import RulesConfig
 from fadiag.config_loader import load_config
-from fadiag.records import CallRecord, Flag, StepReport
 from fadiag.rules import Rules
+from fadiag.steps.records import CallRecord, Flag, StepReport
 from tests.models import GPT, SeedFlashAttention, train
 
 

@@ -428,7 +428,7 @@ class _OnCuda0(torch.Tensor):
 def _begin_on_cuda0(timer):
     """Recorder.begin for an SDPA call on "cuda:0" with `timer` as every device's timer."""
     from fadiag.capture.ops import OPS
-    from fadiag.recorder import Recorder
+    from fadiag.steps.recorder import Recorder
 
     class Devices:
         native_timers: list = []
@@ -492,7 +492,7 @@ def test_a_partial_backward_leaves_nothing_open():
 def test_reentrant_checkpointing_learns_each_signature_once(monkeypatch):
     # The reentrant forward runs without grad: nothing is kept to measure, so its signature is
     # cached as it is, not learned again on every call.
-    from fadiag.recorder import Recorder
+    from fadiag.steps.recorder import Recorder
     from tests.models import GPT, train
 
     learned = []

@@ -12,7 +12,7 @@ from typing import Any
 
 import fadiag
 
-from ..records import StepReport
+from ..steps.records import StepReport
 
 
 class TrainingRun:

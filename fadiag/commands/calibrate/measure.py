@@ -17,7 +17,7 @@ import torch
 import fadiag
 
 from ...errors import FadiagError
-from ...records import StepReport
+from ...steps.records import StepReport
 
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cpu_flash": "FLASH_ATTENTION",
                  "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}

@@ -24,7 +24,7 @@ from torch import nn
 import fadiag
 
 from ...config_loader import disabled_by_environment
-from ...records import StepReport
+from ...steps.records import StepReport
 from ..report.summary import format_summary, mib, ms, num, summarize
 
 Attention = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...jsonl import Run
-from ...records import Flag, SiteSummary, StepReport
 from ...rules import TOTAL
+from ...steps.records import Flag, SiteSummary, StepReport
 
 EPISODES_SHOWN = 20
 """Episodes the text summary lists; the HTML page lists every one."""

@@ -18,9 +18,9 @@ from typing import Any
 
 import torch
 
-from .capture import backends
-from .capture.device import Devices, window_peak
-from .capture.graph import (
+from ..capture import backends
+from ..capture.device import Devices, window_peak
+from ..capture.graph import (
     SavedBytes,
     compiled_autograd_active,
     compiled_autograd_configured,
@@ -28,11 +28,12 @@ from .capture.graph import (
     follow,
     in_reentrant_checkpoint,
 )
-from .capture.ops import AttentionOp, CallInfo, mask_key, quick_sdpa
-from .memory import standard_bytes
+from ..capture.ops import AttentionOp, CallInfo, mask_key, quick_sdpa
+from ..memory import standard_bytes
 from .records import Shape
 
-_INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep, os.path.dirname(__file__) + os.sep)
+_INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep,
+                  os.path.dirname(os.path.dirname(__file__)) + os.sep)  # torch's and fadiag's
 _USER_FILES = (os.path.join("fadiag", "commands", "demo", "training.py"),)
 """fadiag's own files that are user code (the demo's model), so their call sites are named."""
 _CONFIG_EVERY_S = 1.0
