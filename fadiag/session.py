@@ -19,7 +19,6 @@ from typing import Any
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
-from . import baseline as baseline_mod
 from .capture.device import Devices, default_device_type
 from .capture.ops import OPS, AttentionOp, read_hf, reader_for_layout, resolve_target
 from .capture.patcher import Patcher
@@ -30,7 +29,8 @@ from .config_loader import load_config
 from .errors import FadiagError
 from .exporter import Metrics, Server
 from .jsonl import JsonlSink
-from .rules import Rules
+from .rules import baseline as baseline_mod
+from .rules.engine import Rules
 from .sinks import CallbackSink, FanOut, Sink
 from .steps.recorder import ClosedStep, Recorder
 from .steps.records import Flag, StepReport

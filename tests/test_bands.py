@@ -7,7 +7,7 @@ import math
 from collections import defaultdict
 from pathlib import Path
 
-from fadiag.bands import BANDS, band_for
+from fadiag.rules.bands import BANDS, band_for
 from fadiag.steps.records import SiteSummary
 
 GRID = Path(__file__).resolve().parents[1] / "benchmarks" / "results" / "ratio-grid-h200.json"

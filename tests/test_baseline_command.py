@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 import fadiag
-from fadiag import baseline
 from fadiag.cli import main
+from fadiag.rules import baseline
 from tests.models import GPT, train
 
 

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fadiag
-from fadiag import baseline
 from fadiag.config import RulesConfig
 from fadiag.config_loader import load_config
-from fadiag.rules import Rules
+from fadiag.rules import baseline
+from fadiag.rules.engine import Rules
 from fadiag.steps.records import CallRecord, Flag, StepReport
 from tests.models import GPT, SeedFlashAttention, train
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .. import baseline
 from ..errors import BaselineError, RunLogError
 from ..jsonl import read_run
+from ..rules import baseline
 from . import _args
 
 

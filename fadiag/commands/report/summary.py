@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ...jsonl import Run
-from ...rules import TOTAL
+from ...rules.engine import TOTAL
 from ...steps.records import Flag, SiteSummary, StepReport
 
 EPISODES_SHOWN = 20

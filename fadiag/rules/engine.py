@@ -11,11 +11,11 @@ import statistics
 from collections import Counter, deque
 from collections.abc import Iterable
 
+from ..config import RulesConfig
+from ..memory import scores_bytes
+from ..steps.records import Flag, SiteSummary, StepReport, ratio, summarize
 from .bands import band_for
 from .baseline import Baseline
-from .config import RulesConfig
-from .memory import scores_bytes
-from .steps.records import Flag, SiteSummary, StepReport, ratio, summarize
 
 log = logging.getLogger("fadiag")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .steps.records import SiteSummary
+from ..steps.records import SiteSummary
 
 _GRID = "torch 2.11, benchmarks/BENCHMARKS.md ratio grid"
 """The grid: benchmarks/ratio_grid.py on 2026-11-30, causal and not, D 64 and 128, fp16 and bf16

@@ -16,8 +16,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import BaselineError
-from .steps.records import SiteSummary, StepReport, summarize
+from ..errors import BaselineError
+from ..steps.records import SiteSummary, StepReport, summarize
 
 FORMAT_VERSION = 2
 """2: keys without the impl, which each entry holds. Version 1 files (impl in the key) load."""
