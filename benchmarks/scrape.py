@@ -11,7 +11,7 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry
 
-from fadiag.exporter import Metrics, Server
+from fadiag.export.prometheus import Metrics, Server
 from fadiag.steps.records import CallRecord, StepReport
 
 

@@ -27,11 +27,11 @@ from .capture.tap import supported as tap_supported
 from .config import Config
 from .config_loader import load_config
 from .errors import FadiagError
-from .exporter import Metrics, Server
-from .jsonl import JsonlSink
+from .export.jsonl import JsonlSink
+from .export.prometheus import Metrics, Server
+from .export.sinks import CallbackSink, FanOut, Sink
 from .rules import baseline as baseline_mod
 from .rules.engine import Rules
-from .sinks import CallbackSink, FanOut, Sink
 from .steps.recorder import ClosedStep, Recorder
 from .steps.records import Flag, StepReport
 from .steps.resolver import Resolver

@@ -20,7 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 import fadiag
 from fadiag.cli import main
 from fadiag.commands.demo.training import DemoConfig, SlowAttention, run_demo
-from fadiag.jsonl import read_run
+from fadiag.export.jsonl import read_run
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"seq_len": 128, "batch": 2, "dim": 64, "heads": 2, "layers": 2, "vocab": 128}

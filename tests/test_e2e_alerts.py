@@ -31,7 +31,7 @@ from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
 
-from fadiag.exporter import SEVERITIES
+from fadiag.export.prometheus import SEVERITIES
 from promstack import (
     ALERTMANAGER,
     CONTRACT,
@@ -49,7 +49,7 @@ from promstack import (
     wait_for,
 )
 
-from fadiag.exporter import Histogram
+from fadiag.export.prometheus import Histogram
 
 pytestmark = [
     pytest.mark.e2e,

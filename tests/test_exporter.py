@@ -16,8 +16,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.parser import text_string_to_metric_families
 
 import fadiag
-from fadiag.exporter import Metrics
-from fadiag.jsonl import JsonlSink, read_run
+from fadiag.export.jsonl import JsonlSink, read_run
+from fadiag.export.prometheus import Metrics
 from fadiag.steps.records import CallRecord, Flag, StepReport
 from tests.models import GPT, train
 

@@ -105,7 +105,7 @@ def test_readme_command_runs_as_shown(command: str, tmp_path: Path) -> None:
 
 
 def _write_run_log(directory: Path, steps: int = 30) -> None:
-    from fadiag.jsonl import JsonlSink
+    from fadiag.export.jsonl import JsonlSink
     from fadiag.steps.records import CallRecord, StepReport
 
     sink = JsonlSink(directory, rank=0, meta={"rank": 0, "device": "cpu"})

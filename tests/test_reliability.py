@@ -22,9 +22,9 @@ import torch.nn.functional as F
 from torch.optim.optimizer import _global_optimizer_post_hooks
 
 import fadiag
-from fadiag import jsonl
 from fadiag.capture import ops
 from fadiag.cli import main
+from fadiag.export import jsonl
 from fadiag.rules import engine as rules
 from fadiag.steps import recorder
 from tests.models import GPT, train

@@ -14,7 +14,7 @@ import pytest
 from fadiag.cli import main
 from fadiag.commands.report.plots import memory_figure, thresholds
 from fadiag.commands.report.summary import format_summary, summarize, summarize_run
-from fadiag.jsonl import JsonlSink, read_run
+from fadiag.export.jsonl import JsonlSink, read_run
 from fadiag.steps.records import CallRecord, Flag, StepReport
 
 ROOT = Path(__file__).resolve().parents[1]

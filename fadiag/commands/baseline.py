@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..errors import BaselineError, RunLogError
-from ..jsonl import read_run
+from ..export.jsonl import read_run
 from ..rules import baseline
 from . import _args
 

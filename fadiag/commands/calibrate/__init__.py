@@ -15,7 +15,7 @@ import time
 import torch
 
 from ...errors import RunLogError
-from ...jsonl import read_run
+from ...export.jsonl import read_run
 from .. import _args
 from . import measure
 

@@ -32,7 +32,7 @@ def add_parser(subparsers: Any) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from ...errors import RunLogError
-    from ...jsonl import read_run
+    from ...export.jsonl import read_run
     from .plots import plot_run, write_html
     from .summary import format_summary, run_logs, summarize_run
 

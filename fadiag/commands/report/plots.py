@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from ...config import MemoryRuleConfig, RatioRuleConfig
-from ...jsonl import Run
+from ...export.jsonl import Run
 from .summary import Summary, episode_lines, headline, site_table
 
 RULES = ("backward_forward_ratio", "memory_savings", "regression", "hang")

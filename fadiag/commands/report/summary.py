@@ -14,7 +14,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ...jsonl import Run
+from ...export.jsonl import Run
 from ...rules.engine import TOTAL
 from ...steps.records import Flag, SiteSummary, StepReport
 

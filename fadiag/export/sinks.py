@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Iterable
 
-from .steps.records import Flag, StepReport
+from ..steps.records import Flag, StepReport
 
 log = logging.getLogger("fadiag")
 

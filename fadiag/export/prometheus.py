@@ -25,9 +25,9 @@ from prometheus_client.core import (
     Metric,
 )
 
-from .errors import FadiagError
+from ..errors import FadiagError
+from ..steps.records import Flag, StepReport
 from .sinks import Sink
-from .steps.records import Flag, StepReport
 
 log = logging.getLogger("fadiag")
 

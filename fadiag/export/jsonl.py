@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any
 
-from .errors import RunLogError
+from ..errors import RunLogError
+from ..steps.records import Flag, StepReport
 from .sinks import Sink
-from .steps.records import Flag, StepReport
 
 
 class JsonlSink(Sink):
