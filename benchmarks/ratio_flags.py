@@ -34,7 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fadiag  # noqa: E402
-from fadiag.commands.calibrate import measure  # noqa: E402
+from fadiag.cli.calibrate import measure  # noqa: E402
 from fadiag.config import Config  # noqa: E402
 from tests.models import GPT  # noqa: E402
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from fadiag import cli, memory
-from fadiag.commands.bench import measure as bench
+from fadiag.cli.bench import measure as bench
 
 B, H, D = 1, 4, 32
 SMALL = ["--heads", str(H), "--head-dim", str(D)]

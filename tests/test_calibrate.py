@@ -7,7 +7,7 @@ import yaml
 
 import fadiag
 from fadiag.cli import main
-from fadiag.commands.calibrate import measure
+from fadiag.cli.calibrate import measure
 from tests.models import GPT, train
 
 

@@ -11,7 +11,7 @@ import pytest
 import yaml
 
 from fadiag.cli import main
-from fadiag.commands.check_config import reference_markdown
+from fadiag.cli.check_config import reference_markdown
 from fadiag.config import Config
 from fadiag.config_loader import config_keys
 

@@ -9,7 +9,7 @@ import pytest
 
 from fadiag import cli
 
-PACKAGE = Path(cli.__file__).parent
+PACKAGE = Path(cli.__file__).parent.parent  # fadiag/, the package that holds cli/
 
 
 LIBRARY = {"baseline": "the regression rule's baseline files, which the session reads and writes"}
@@ -17,8 +17,8 @@ LIBRARY = {"baseline": "the regression rule's baseline files, which the session 
 
 
 @pytest.mark.parametrize("command", cli.COMMANDS)
-def test_each_command_lives_in_one_place_under_fadiag_commands(command: str) -> None:
-    module = importlib.import_module(f"fadiag.commands.{command}")
+def test_each_command_lives_in_one_place_under_fadiag_cli(command: str) -> None:
+    module = importlib.import_module(f"fadiag.cli.{command}")
     assert callable(module.add_parser) and callable(module.run)
-    # no second home for it at the top of the package (fadiag/bench.py beside commands/bench)
+    # no second home for it at the top of the package (fadiag/bench.py beside cli/bench)
     assert command in LIBRARY or not (PACKAGE / f"{command}.py").exists()

@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 import fadiag
 from fadiag.cli import main
-from fadiag.commands.demo.training import DemoConfig, SlowAttention, run_demo
+from fadiag.cli.demo.training import DemoConfig, SlowAttention, run_demo
 from fadiag.export.jsonl import read_run
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from fadiag.cli import main
-from fadiag.commands.doctor import checks as doctor
-from fadiag.commands.doctor.checks import Query, diagnose, format_text
+from fadiag.cli.doctor import checks as doctor
+from fadiag.cli.doctor.checks import Query, diagnose, format_text
 
 
 def test_report_covers_torch_build_devices_sdpa_and_packages() -> None:

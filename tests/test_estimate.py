@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from fadiag import cli, memory
-from fadiag.commands.estimate.arithmetic import ModelShape, estimate, human_bytes
+from fadiag.cli.estimate.arithmetic import ModelShape, estimate, human_bytes
 
 GiB, MiB = 2**30, 2**20
 SEED = ["--seq-len", "4096", "--heads", "32", "--head-dim", "128", "--layers", "32"]

@@ -226,7 +226,7 @@ def test_flex_records_keep_sparsity_and_forward_only_through_the_run_log():
 
 
 def test_report_site_table_shows_sparsity_and_dense_forward_time_for_flex_sites():
-    from fadiag.commands.report.summary import site_table, summarize
+    from fadiag.cli.report.summary import site_table, summarize
 
     c = CallRecord(site="m.py:1#0", impl="flex", shape=(1, 2, 512, 512, 16), dtype="float32",
                    causal=False, forward_seconds=1e-3, sparsity=0.5)

@@ -20,7 +20,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fadiag.cli import main
-from fadiag.launch import LAUNCH_DIR, LaunchOptions, child_env, exit_status, python_path
+from fadiag.cli.run.launch import LAUNCH_DIR, LaunchOptions, child_env, exit_status, python_path
 
 ROOT = Path(__file__).resolve().parents[1]
 HOOK = LAUNCH_DIR / "sitecustomize.py"

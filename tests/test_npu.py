@@ -122,7 +122,7 @@ def test_the_cli_finds_an_ascend_device_through_torch_npu(monkeypatch):
     """`fadiag bench` and `fadiag demo` look for a device the same way: npu when torch_npu imports
     and sees one (importing it registers torch.npu), else cuda, else cpu."""
     from fadiag.capture.device import available
-    from fadiag.commands.bench import measure as bench
+    from fadiag.cli.bench import measure as bench
 
     monkeypatch.setitem(sys.modules, "torch_npu", None)  # not installed: import fails
     assert not available("npu") and available("cpu")

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 
 from fadiag.cli import main
-from fadiag.commands.report.plots import memory_figure, thresholds
-from fadiag.commands.report.summary import format_summary, summarize, summarize_run
+from fadiag.cli.report.plots import memory_figure, thresholds
+from fadiag.cli.report.summary import format_summary, summarize, summarize_run
 from fadiag.export.jsonl import JsonlSink, read_run
 from fadiag.steps.records import CallRecord, Flag, StepReport
 
@@ -86,7 +86,7 @@ def test_site_table_gives_medians_so_a_slow_first_step_does_not_inflate_it() -> 
 
 
 def _table_rows(s: object) -> tuple[list[str], list[str]]:
-    from fadiag.commands.report.summary import site_table
+    from fadiag.cli.report.summary import site_table
 
     rows = site_table(s)  # type: ignore[arg-type]
     return rows[0], rows[1]
@@ -144,7 +144,7 @@ def test_report_prints_each_flag_episode_with_rule_steps_sites_value_and_message
 
 
 def test_an_episode_shows_the_flags_severity_where_the_rules_give_one() -> None:
-    from fadiag.commands.report.summary import Episode, episode_lines
+    from fadiag.cli.report.summary import Episode, episode_lines
 
     flag = Flag(rule="backward_forward_ratio", value=3.4, threshold=3.0, step=2, site="a.py:1#0",
                 message="backward/forward 3.40x > 3x")

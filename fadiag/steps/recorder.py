@@ -34,7 +34,7 @@ from .records import Shape
 
 _INTERNAL_DIRS = (os.path.dirname(torch.__file__) + os.sep,
                   os.path.dirname(os.path.dirname(__file__)) + os.sep)  # torch's and fadiag's
-_USER_FILES = (os.path.join("fadiag", "commands", "demo", "training.py"),)
+_USER_FILES = (os.path.join("fadiag", "cli", "demo", "training.py"),)
 """fadiag's own files that are user code (the demo's model), so their call sites are named."""
 _CONFIG_EVERY_S = 1.0
 """How often, at most, a step boundary reads dynamo's compiled_autograd config flag: the read

@@ -1,6 +1,6 @@
 """`fadiag run`: start a command with fadiag attached in every Python process that trains.
 
-The child's environment carries the hook (`fadiag/_launch/sitecustomize.py`, first on
+The child's environment carries the hook (`fadiag/cli/run/_launch/sitecustomize.py`, first on
 PYTHONPATH) and its settings; this process forwards signals, prints each rank's metrics URL as
 the rank attaches, and returns the child's exit status.
 """
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import IO, Any
 
 LAUNCH_DIR = Path(__file__).resolve().parent / "_launch"
-PACKAGE_ROOT = Path(__file__).resolve().parent.parent
+PACKAGE_ROOT = Path(__file__).resolve().parents[3]  # the folder that holds fadiag/
 
 # Signals a terminal sends to its whole foreground process group: the child already has them.
 _TERMINAL_SIGNALS = (signal.SIGINT, signal.SIGQUIT)

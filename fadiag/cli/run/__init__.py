@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from . import _args
+from .. import _args
 
 
 def _config_file(text: str) -> str:
@@ -41,7 +41,7 @@ def add_parser(subparsers: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..launch import LaunchOptions, launch
+    from .launch import LaunchOptions, launch
 
     cmd = list(args.cmd)
     if cmd and cmd[0] == "--":

@@ -1,4 +1,4 @@
-"""The `fadiag` command line: one subcommand per module in `fadiag.commands`.
+"""The `fadiag` command line: one subcommand per module (or folder) in `fadiag.cli`.
 
 Each command module exposes ``add_parser(subparsers)`` and ``run(args) -> int``; argparse
 reports bad arguments with exit code 2 and the argument's name.
@@ -15,7 +15,7 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from .version import __version__
+from ..version import __version__
 
 COMMANDS = ("demo", "bench", "calibrate", "estimate", "report", "run", "baseline", "check_config",
             "doctor")
@@ -30,7 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     for name in COMMANDS:
-        importlib.import_module(f"fadiag.commands.{name}").add_parser(sub)
+        importlib.import_module(f"fadiag.cli.{name}").add_parser(sub)
     # `fadiag report RUN -v` as well as `fadiag -v report RUN`; not after `run`, where everything
     # belongs to CMD.
     todo = [c for c in sub.choices.values() if c.prog != "fadiag run"]
