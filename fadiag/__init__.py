@@ -10,7 +10,7 @@
 from __future__ import annotations
 
 from .config import Config
-from .config_loader import load_config
+from .config.loader import load_config
 from .errors import ConfigError, FadiagError
 from .session import Session, attach, current_session, detach, instrument, step
 from .steps.records import CallRecord, Flag, StepReport

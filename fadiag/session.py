@@ -25,7 +25,7 @@ from .capture.patcher import Patcher
 from .capture.tap import Tap
 from .capture.tap import supported as tap_supported
 from .config import Config
-from .config_loader import load_config
+from .config.loader import load_config
 from .errors import FadiagError
 from .export.jsonl import JsonlSink
 from .export.prometheus import Metrics, Server

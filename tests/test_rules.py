@@ -13,7 +13,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fadiag
 from fadiag.config import RulesConfig
-from fadiag.config_loader import load_config
+from fadiag.config.loader import load_config
 from fadiag.rules import baseline
 from fadiag.rules.engine import Rules
 from fadiag.steps.records import CallRecord, Flag, StepReport

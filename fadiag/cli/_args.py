@@ -96,7 +96,7 @@ def output_file(text: str) -> Path:
 def config_problems(path: str | None) -> str | None:
     """Every problem in the configuration a command's processes will load (`path`, else
     $FADIAG_CONFIG, else the defaults), one per line; None when it loads."""
-    from ..config_loader import config_issues
+    from ..config.loader import config_issues
 
     issues = config_issues(path)
     return "\n".join(issue.describe() for issue in issues) or None

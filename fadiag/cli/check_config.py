@@ -14,9 +14,8 @@ from typing import Any
 
 import yaml
 
-from .. import config as config_module
 from ..config import Config
-from ..config_loader import ALIASES, config_issues, config_keys, load_config
+from ..config.loader import ALIASES, config_issues, config_keys, load_config
 from . import _args
 
 
@@ -59,7 +58,7 @@ def run(args: argparse.Namespace) -> int:
 _INTRO = """\
 # Configuration reference
 
-<!-- Generated from fadiag/config.py by `fadiag check-config --reference`; edit the schema, not this file. -->
+<!-- Generated from fadiag/config/ by `fadiag check-config --reference`; edit the schema, not this file. -->
 
 fadiag reads one configuration, a tree of sections. Every key has a default, so an empty file
 (or none at all) is a valid configuration. Pass it to `fadiag.attach()`:
@@ -153,9 +152,11 @@ def reference_markdown() -> str:
 
 
 def _field_docs() -> dict[tuple[str, str], str]:
-    """(class name, field name) -> the docstring under the field in fadiag/config.py."""
+    """(class name, field name) -> the docstring under the field, in the module of each section."""
     docs = {}
-    for node in ast.walk(ast.parse(inspect.getsource(config_module))):
+    modules = {sys.modules[key.owner.__module__] for key in config_keys()}
+    sources = [inspect.getsource(m) for m in sorted(modules, key=lambda m: m.__name__)]
+    for node in (n for source in sources for n in ast.walk(ast.parse(source))):
         if not isinstance(node, ast.ClassDef):
             continue
         for stmt, after in zip(node.body, node.body[1:], strict=False):

@@ -23,7 +23,7 @@ from torch import nn
 
 import fadiag
 
-from ...config_loader import disabled_by_environment
+from ...config.loader import disabled_by_environment
 from ...steps.records import StepReport
 from ..report.summary import format_summary, mib, ms, num, summarize
 

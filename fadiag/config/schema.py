@@ -1,7 +1,7 @@
 """fadiag's configuration schema: one frozen, keyword-only dataclass per component.
 
 Each validates itself on construction and names the dotted key in its `ConfigError`;
-`fadiag.config_loader.load_config()` builds one from YAML, mappings and overrides.
+`fadiag.config.loader.load_config()` builds one from YAML, mappings and overrides.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, NamedTuple
 
-from .errors import ConfigError
+from ..errors import ConfigError
 
 
 class Check(NamedTuple):

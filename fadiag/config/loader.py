@@ -18,15 +18,8 @@ from typing import Any, NamedTuple
 
 import yaml
 
-from .config import (
-    _REPR,
-    Check,
-    Config,
-    _prefixes,
-    _problems,
-    _schema,
-)
-from .errors import BaselineError, ConfigError
+from ..errors import BaselineError, ConfigError
+from .schema import _REPR, Check, Config, _prefixes, _problems, _schema
 
 # --- loading ----------------------------------------------------------------------------------
 
@@ -252,7 +245,7 @@ def _file_issues(
 ) -> list[ConfigIssue]:
     """The files a configuration names, checked as the session will read them: a missing
     baseline or TLS file is a configuration error at load time, not a session lost later."""
-    from .rules import baseline  # the only module here that reads a file the user names
+    from ..rules import baseline  # the only module here that reads a file the user names
 
     found: list[tuple[str, str]] = []
     path = config.rules.regression.baseline_file
