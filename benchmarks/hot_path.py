@@ -27,7 +27,7 @@ from overhead import release_marks  # noqa: E402
 from where_time_goes import per_call_us  # noqa: E402  (the same tiny-call loop)
 
 import fadiag  # noqa: E402
-from fadiag.capture import backends, native  # noqa: E402
+from fadiag.capture import backends, calls, native  # noqa: E402
 from fadiag.capture.graph import compiled_autograd_active  # noqa: E402
 from fadiag.capture.ops import OPS  # noqa: E402
 from fadiag.steps import recorder  # noqa: E402
@@ -163,7 +163,7 @@ def main() -> None:
         "signature key": make_key,
         "signature lookup": lambda: rec.signatures.get(key),
         "timer lookup": lambda: rec.devices.timer(dev.type),
-        "Call object": lambda: recorder.Call("x#0", timer, False, key, None, qkv_args),
+        "Call object": lambda: calls.Call("x#0", timer, False, key, None, qkv_args),
         "site (file:line#n)": caller,
         "forward start mark": mark_and_release,
         "compiled autograd check": compiled_autograd_active,

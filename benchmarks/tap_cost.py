@@ -50,7 +50,7 @@ def raw_tap():
     """The tap alone, without a session: its records drained and their marks given back."""
     from fadiag.capture import native
     from fadiag.capture.tap import Tap
-    from fadiag.steps.recorder import Call
+    from fadiag.capture.calls import Call
 
     tap = Tap(native.load("cuda" if torch.cuda.is_available() else "cpu"), 4096)
     tap.install()

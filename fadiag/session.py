@@ -32,7 +32,8 @@ from .export.prometheus import Metrics, Server
 from .export.sinks import CallbackSink, FanOut, Sink
 from .rules import baseline as baseline_mod
 from .rules.engine import Rules
-from .steps.recorder import ClosedStep, Recorder
+from .steps.boundary import ClosedStep
+from .steps.recorder import Recorder
 from .steps.records import Flag, StepReport
 from .steps.resolver import Resolver
 from .version import __version__

@@ -1,7 +1,8 @@
 """Helpers that read and hook the autograd graph around an attention call.
 
-The fused backward node of a call, whether a backward may run under compiled autograd, whether a
-forward is checkpointing's reentrant replay, and the saved-tensor hooks that count kept bytes.
+The fused backward node of a call, the Python hooks that time its backward, whether a backward
+may run under compiled autograd, whether a forward is checkpointing's reentrant replay, and the
+saved-tensor hooks that count kept bytes.
 """
 
 from __future__ import annotations
@@ -9,14 +10,21 @@ from __future__ import annotations
 import os
 import sys
 from types import FrameType
-from typing import Any
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from . import backends
+from .device import window_peak
+
+if TYPE_CHECKING:
+    from .calls import Call, Signature
 
 _CHECKPOINT_FILE = os.path.join("torch", "utils", "checkpoint.py")
 _top_hooks = torch._C._autograd._top_saved_tensors_default_hooks
+_get_edge = torch.autograd.graph.get_gradient_edge
+_queue_callback = torch.autograd.Variable._execution_engine.queue_callback
 
 
 class SavedBytes:
@@ -77,6 +85,77 @@ def follow(node: Any, path: tuple[int, ...]) -> Any:
         if node is None:
             return None
     return node
+
+
+def hook_backward(call: Call, sig: Signature, node: Any, qkv: tuple[Any, Any, Any], rec: Any,
+                  on_error: Callable[[str, BaseException], None]) -> None:
+    """Python hooks that take `call`'s backward marks: its start when the gradient of its output
+    node arrives, its end after the fused backward node (or, where none was found, after the
+    nodes that produce the gradients of q, k and v). `rec`: the recorder, whose `backward_seen`
+    and `in_backward` the hooks keep (the wrapper reads them to tell passes apart)."""
+    timer = call.timer
+    probe = call.saved is not None and call.mem0 is not None
+
+    # Run by the autograd engine inside the user's backward(): nothing may escape them.
+    def on_backward_start(grad_outputs: Any) -> None:
+        try:
+            if call.bwd0 is None and call.remaining > 0:  # 0: done, or closed at a pass end
+                rec.backward_seen = True
+                rec.in_backward += 1
+                if probe:
+                    call.mem0 = timer.memory_stats()
+                call.bwd0 = timer.mark()
+                if call.remaining > 1:
+                    _queue_callback(close_pass)
+        except Exception as e:
+            on_error("recorder.backward", e)
+
+    def close_pass() -> None:
+        # The end of the backward pass: a partial one (`autograd.grad(out, q)`) ran only
+        # some of the ends. The call's backward is then not timed, and nothing stays open.
+        try:
+            if call.remaining > 0:
+                call.remaining = 0
+                rec.in_backward = max(0, rec.in_backward - 1)
+                if call.bwd0 is not None and call.bwd1 is None:
+                    timer.release(call.bwd0)
+                    call.bwd0 = None
+        except Exception as e:
+            on_error("recorder.backward", e)
+
+    def on_backward_end(*_: Any) -> None:
+        try:
+            if call.remaining <= 0:
+                return
+            call.remaining -= 1
+            if call.remaining == 0:
+                rec.in_backward = max(0, rec.in_backward - 1)
+                call.bwd1 = timer.mark()
+                if probe and call.mem0 is not None and sig.peak_bytes is not None:
+                    bwd_peak = window_peak(call.mem0, timer.memory_stats())
+                    sig.peak_bytes = max(sig.peak_bytes, bwd_peak)
+        except Exception as e:
+            on_error("recorder.backward", e)
+
+    node.register_prehook(on_backward_start)
+    fused = follow(node, sig.fused_path) if sig.fused_path is not None else None
+    if fused is not None:
+        call.remaining = 1
+        fused.register_hook(on_backward_end)
+        return
+    ends: list[Any] = []
+    for t in qkv:
+        if t.requires_grad:
+            n = _get_edge(t).node
+            if all(n is not e for e in ends):
+                ends.append(n)
+    if not ends:
+        call.remaining = 1
+        node.register_hook(on_backward_end)
+        return
+    call.remaining = len(ends)
+    for n in ends:
+        n.register_prehook(on_backward_end)
 
 
 def compiled_autograd_active() -> bool:

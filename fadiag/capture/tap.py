@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..steps.recorder import Signature
+from .calls import Signature
 from .device import NativeTimer
 from .ops import AttentionOp, CallInfo, read_sdpa
 from .patcher import Patcher

@@ -15,7 +15,8 @@ from typing import Any
 
 import psutil
 
-from .recorder import Call, ClosedStep
+from ..capture.calls import Call
+from .boundary import ClosedStep
 from .records import CallRecord, StepReport
 
 _POLL_S = 0.02

@@ -1,0 +1,233 @@
+"""Where one training step ends and the next begins, on the training thread.
+
+An optimizer step (or `fadiag.step()`) ends a step; with no optimizer seen, each forward after a
+backward starts a micro-batch, and after `steps.fallback_after` of them each is a step of its own.
+A closed step goes to the resolver with what it saw and could not measure. The Recorder
+(recorder.py) measures the calls that fill the open step.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from ..capture.calls import Call
+from ..capture.device import Devices
+from ..capture.sites import Sites
+
+_UNREAD = object()
+_UNSEEN_STEPS = 3  # optimizer steps without a C++ backward hook firing before Python's take over
+log = logging.getLogger("fadiag")
+
+
+class ClosedStep:
+    """A step's calls, handed to the resolver."""
+
+    __slots__ = ("index", "calls", "wall_time", "closed", "device", "unmeasured")
+
+    def __init__(self, index: int, calls: list[Call], device: int | None,
+                 unmeasured: dict[str, int] | None = None):
+        self.index = index
+        self.calls = calls
+        self.unmeasured = unmeasured or {}
+        """Attention calls of the step seen and not measured, by reason."""
+        self.wall_time = time.time()
+        self.closed = time.monotonic()
+        self.device = device
+        """The training thread's current device, for the step's allocator figures: the resolver
+        thread's own current device is device 0 (CUDA's current device is per thread)."""
+
+
+class StepBoundaries:
+    """The open step and what ends it: the step half of the Recorder, whose per-call half
+    (recorder.py) appends the calls and calls `_new_phase()` at a forward after a backward."""
+
+    def __init__(self, devices: Devices, *, every_n_steps: int, record_no_grad: bool,
+                 fallback_after: int, on_error: Callable[[str, BaseException], None],
+                 on_step: Callable[[ClosedStep], None]):
+        self.devices = devices
+        self.every_n_steps = every_n_steps
+        self.record_no_grad = record_no_grad
+        self.fallback_after = fallback_after
+        self._on_error = on_error
+        self._on_step = on_step
+        self.enabled = False
+        self.measuring = False
+        self.step_index = 1
+        self.calls: list[Call] = []
+        self.calls_since_boundary = 0
+        self.sampled_out = 0
+        """Calls on steps that sampling skips (cumulative)."""
+        self.over_cap = 0
+        """Calls past steps.max_calls_per_step (cumulative)."""
+        self.other_device = 0
+        """Calls on an accelerator that is not the thread's current device (several devices in
+        one process): marks go on the current device's stream, so these are not measured."""
+        self.unmeasured: dict[str, int] = {}
+        """Calls not measured, by reason, counted by an op's own code (flex: ``compiling``)."""
+        self._current_devices: dict[str, Any] = {}  # device kind -> current index, this step
+        self.sites = Sites()
+        self.backward_seen = False
+        self.in_backward = 0
+        self.python_hooks = False
+        """Set once the C++ backward hooks were seen not to fire (see boundary): Python's from then on."""
+        self._native_hooked = 0  # calls of the open step whose backward the C++ hooks time
+        self._native_starts = 0  # the native timers' backward starts when the step opened
+        self._unseen_steps = 0
+        self.optimizer_seen = False
+        self.fallback_mode = False
+        self._phases: list[list[Call]] = []
+        self.tap: Any = None
+        """The dispatcher tap (fadiag/capture/tap.py) once installed: its calls join each step's."""
+        self.pending: Callable[[], None] | None = None
+        """Work for the training thread at the next boundary (installing the tap: registering
+        kernels while another thread dispatches ops is not safe)."""
+        self._unmeasured_seen: dict[str, int] = {}
+
+    def _sampled(self, index: int) -> bool:
+        return self.every_n_steps <= 1 or index % self.every_n_steps == 0
+
+    def _next_step(self) -> None:
+        """What the per-call half renews when a step ends (the Recorder overrides it)."""
+
+    # ---- micro-batches and steps -------------------------------------------------------------
+
+    def _new_phase(self) -> None:
+        """A forward after a backward: a new micro-batch (or, without optimizer, a new step)."""
+        self.backward_seen = False
+        self.sites.new_pass()
+        if self.optimizer_seen or not self.calls:
+            return
+        if self.fallback_mode:
+            self.boundary("fallback")
+            return
+        self._phases.append(self.calls)
+        self.calls = []
+        if len(self._phases) >= self.fallback_after:
+            # No optimizer step in all this time: every forward-after-backward is a step.
+            self.fallback_mode = True
+            phases, self._phases = self._phases, []
+            for calls in phases:
+                self.calls = calls
+                self.boundary("fallback")
+
+    def boundary(self, source: str) -> None:
+        """End the current step. One with no attention is reported only at an optimizer step
+        (it still counts as a step); other boundaries without attention are ignored."""
+        try:
+            if source in ("optimizer", "manual") and not self.optimizer_seen:
+                self.optimizer_seen = True
+                self.fallback_mode = False
+            if self._phases:
+                merged = [c for phase in self._phases for c in phase]
+                self.calls = merged + self.calls
+                self._phases = []
+            tap = self.tap
+            if tap is not None:
+                self.calls.extend(tap.drain(Call, self.record_no_grad))
+            # An optimizer step is a step (fadiag_steps_total) even with no attention measured.
+            empty_step = source == "optimizer" and self.measuring
+            if not self.calls_since_boundary and not self.calls and not empty_step:
+                self._run_pending()
+                return
+            closed = None
+            if self.calls or empty_step:
+                closed = ClosedStep(self.step_index, self.calls, self._step_device(),
+                                    self._unmeasured_since())
+            self.calls = []
+            self.calls_since_boundary = 0
+            self.sites.new_pass()
+            self._current_devices.clear()
+            self.backward_seen = False
+            self._check_native_hooks(source)
+            self._native_backward_seen()
+            self.in_backward = 0
+            for t in self.devices.native_timers:
+                t.reset_in_backward()
+            self.step_index += 1
+            self.measuring = self.enabled and self._sampled(self.step_index)
+            if tap is not None:
+                tap.set_measuring(self.measuring)
+            self._run_pending()
+            self._next_step()
+            if closed is not None:  # an unsampled step has nothing to resolve
+                self._on_step(closed)
+        except Exception as e:
+            self._on_error("recorder.boundary", e)
+
+    def unmeasured_totals(self) -> dict[str, int]:
+        """Attention calls seen and not measured since start, by reason (cumulative)."""
+        totals = {"sampling": self.sampled_out, "per_step_cap": self.over_cap,
+                  "other_device": self.other_device, **self.unmeasured}
+        if self.tap is not None:
+            for reason, n in self.tap.counts().items():
+                if reason != "errors":
+                    totals[reason] = totals.get(reason, 0) + n
+        return totals
+
+    def _unmeasured_since(self) -> dict[str, int]:
+        """What unmeasured_totals() gained since the last boundary (reasons that moved)."""
+        totals = self.unmeasured_totals()
+        before, self._unmeasured_seen = self._unmeasured_seen, totals
+        return {k: v - before.get(k, 0) for k, v in totals.items() if v != before.get(k, 0)}
+
+    def _run_pending(self) -> None:
+        work, self.pending = self.pending, None
+        if work is not None:
+            work()
+
+    def open_calls(self) -> list[Call]:
+        """The current step's calls so far (a copy; for the hang check)."""
+        return list(self.calls) + [c for phase in list(self._phases) for c in phase]
+
+    # ---- devices -----------------------------------------------------------------------------
+
+    def _current(self, timer: Any) -> int | None:
+        """The thread's current device for `timer`'s kind, read once a step (a Python call)."""
+        current = self._current_devices.get(timer.kind, _UNREAD)
+        if current is _UNREAD:
+            current = self._current_devices[timer.kind] = timer.current_device()
+        return current  # type: ignore[no-any-return]
+
+    def _step_device(self) -> int | None:
+        """The current device of the step's accelerator, as this step's calls saw it."""
+        timer = next((c.timer for c in self.calls if c.timer.kind != "cpu"), None)
+        try:
+            return None if timer is None else self._current(timer)
+        except Exception:  # the resolver then reads the current device's, as it would anyway
+            return None
+
+    # ---- the native timers' backward hooks -----------------------------------------------------
+
+    def _native_backward_seen(self) -> bool:
+        """Whether a native backward hook fired since the last look (they cannot set flags)."""
+        seen = False
+        for t in self.devices.native_timers:
+            n = t.backward_starts()
+            if n != t.backward_starts_seen:
+                t.backward_starts_seen = n
+                seen = True
+        return seen
+
+    def _native_in_backward(self) -> bool:
+        return any(t.in_backward() > 0 for t in self.devices.native_timers)
+
+    def _check_native_hooks(self, source: str) -> None:
+        """Steps that end at an optimizer step after C++-hooked calls whose hooks never fired:
+        the backward ran where C++ hooks are not called (compiled autograd switched on around
+        `backward()` alone, which the forward cannot see), or it never reached attention. After
+        a few such steps in a row, later calls get Python hooks, which compiled autograd runs."""
+        timers = self.devices.native_timers
+        starts = sum(t.backward_starts() for t in timers)
+        if source == "optimizer" and self._native_hooked:
+            self._unseen_steps = self._unseen_steps + 1 if starts == self._native_starts else 0
+            if self._unseen_steps == _UNSEEN_STEPS and not self.python_hooks:
+                self.python_hooks = True
+                log.warning("fadiag: the C++ backward hooks did not fire in %d optimizer steps "
+                            "(compiled autograd around backward(), or attention outputs unused "
+                            "by the loss); attention backward is timed with Python hooks from now "
+                            "on", _UNSEEN_STEPS)
+        self._native_starts = starts
+        self._native_hooked = 0
