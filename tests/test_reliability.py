@@ -62,10 +62,10 @@ def _fault(monkeypatch, case, tmp_path):
         return {"jsonl": str(tmp_path)}
     elif case in ("nan_timing", "negative_timing", "inf_timing"):
         value = {"nan_timing": float("nan"), "negative_timing": -1.0, "inf_timing": float("inf")}[case]
-        monkeypatch.setattr(fadiag.device.CpuTimer, "elapsed", staticmethod(lambda a, b: value))
+        monkeypatch.setattr(fadiag.capture.device.CpuTimer, "elapsed", staticmethod(lambda a, b: value))
     elif case == "missing_timing":
-        monkeypatch.setattr(fadiag.device.CpuTimer, "mark", lambda self: None)
-        monkeypatch.setattr(fadiag.device.CpuTimer, "elapsed", staticmethod(lambda a, b: a - b))
+        monkeypatch.setattr(fadiag.capture.device.CpuTimer, "mark", lambda self: None)
+        monkeypatch.setattr(fadiag.capture.device.CpuTimer, "elapsed", staticmethod(lambda a, b: a - b))
     return {}
 
 

@@ -116,7 +116,7 @@ def _torch_build() -> dict[str, Any]:
 
 
 def _devices() -> dict[str, Any]:
-    # A read-only listing for the report; training-time device access stays in fadiag.device.
+    # A read-only listing for the report; training-time device access stays in fadiag.capture.device.
     out: dict[str, Any] = {"cpu": {"available": True, "logical_cores": os.cpu_count()}}
     out["cuda"] = _accelerator(torch.cuda if torch.cuda.is_available() else None)
     npu_error = None

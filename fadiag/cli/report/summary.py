@@ -1,6 +1,6 @@
 """A run's summary: medians over steps, a per-site table, and each flag episode with its cause.
 
-Reads what `fadiag.jsonl` writes (or a live session's history); knows nothing of torch. The
+Reads what `fadiag.export.jsonl` writes (or a live session's history); knows nothing of torch. The
 demo prints the same summary at its end.
 """
 
