@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import os
 import socket
-import sys
 import threading
 import time
 import uuid
@@ -20,14 +19,13 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .capture.device import Devices, default_device_type
-from .capture.ops import OPS, AttentionOp, read_hf, reader_for_layout, resolve_target
-from .capture.patcher import Patcher
-from .capture.tap import Tap
-from .capture.tap import supported as tap_supported
+from .capture.interceptors import Interceptors
+from .capture.ops import reader_for_layout
 from .config import Config
 from .config.loader import load_config
 from .errors import FadiagError
 from .export.jsonl import JsonlSink
+from .export.log import LogSink
 from .export.prometheus import Metrics, Server
 from .export.sinks import CallbackSink, FanOut, Sink
 from .rules import baseline as baseline_mod
@@ -43,46 +41,6 @@ log = logging.getLogger("fadiag")
 _lock = threading.RLock()
 _session: Session | None = None
 _instrumented: list[tuple[Any, str | None, str, int | None, int | str | None]] = []
-
-
-_LOGGED: dict[tuple[str, str], float] = {}
-"""When each rule last logged, by severity: kept per process, so attach() after detach() (a
-benchmark's cycles, a restarted loop) does not speak again inside the interval."""
-
-
-class LogSink(Sink):
-    """One log line per rule for the flags one step raised (sites summarized), at most one per
-    rule and severity per interval; info-severity flags (a healthy kernel) log at INFO."""
-
-    def __init__(self, interval: float):
-        self.interval = interval
-
-    def flags(self, flags: list[Flag]) -> None:
-        by_rule: dict[str, list[Flag]] = {}
-        for f in flags:
-            by_rule.setdefault(f.rule, []).append(f)
-        for rule, group in by_rule.items():
-            cleared = [f for f in group if f.cleared]
-            if cleared:
-                sites = ", ".join(f.site for f in cleared[:3]) + (" …" if len(cleared) > 3 else "")
-                log.info("fadiag: step %d rank %d: cleared: %s at %s", cleared[0].step,
-                         cleared[0].rank, rule, sites)
-            raised = [f for f in group if not f.cleared]
-            if raised:
-                self._log(rule, raised)
-
-    def _log(self, rule: str, raised: list[Flag]) -> None:
-        warning = any(f.severity != "info" for f in raised)
-        key = (rule, "warning" if warning else "info")
-        now = time.monotonic()
-        if now - _LOGGED.get(key, -1e18) < self.interval:
-            return
-        _LOGGED[key] = now
-        # The worst flag speaks for the others: the highest value (the lowest for savings).
-        worst = (min if rule == "memory_savings" else max)(raised, key=lambda f: f.value)
-        more = f"{len(raised)} sites at once, the worst: " if len(raised) > 1 else ""
-        log.log(logging.WARNING if warning else logging.INFO, "fadiag: step %d rank %d: %s [%s]: %s%s",
-                worst.step, worst.rank, rule, worst.severity, more, worst.message)
 
 
 class Session:
@@ -106,14 +64,9 @@ class Session:
             or uuid.uuid4().hex[:12]
         self.errors = 0
         self._logged_errors: set[str] = set()
-        self._patcher = Patcher()
         self._optimizer_hook: Any = None
-        self._hf_wrapped = False
         self._server: Server | None = None
         self.port: int | None = None
-        self._closed = False
-        self.tap_status = "off" if config.tap == "off" else "not loaded"
-        """The dispatcher tap: "installed", "loading", "off", "not loaded" or "unavailable: …"."""
         self._tap_errors = 0
         self.devices = Devices(config.device, config.native)
         device_type = default_device_type() if config.device == "auto" else config.device
@@ -153,6 +106,7 @@ class Session:
             rank=self.rank, history=steps.history, open_calls=self.recorder.open_calls,
             on_report=self._on_report, on_tick=self._on_tick, on_error=self._error,
             native_timers=lambda: self.devices.native_timers)
+        self.capture = Interceptors(config, self.recorder, self._error)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -175,146 +129,29 @@ class Session:
         self.recorder.start()
 
     def _install(self) -> None:
-        icfg = self.config.interceptors
-        for op in OPS:
-            if getattr(icfg, op.config_key):
-                self._patch_op(op, import_missing=op.config_key != "sdpa")
-                if op.install is not None:
-                    op.install(self._patcher, self.recorder)
-        for fn, name, layout, heads, causal_arg in _instrumented:
-            self._instrument(fn, name, layout, heads, causal_arg)
-        self._wrap_transformers()
+        self.capture.install(_instrumented)
         self._optimizer_hook = register_optimizer_step_post_hook(self._on_optimizer_step)
-        self._start_tap()
+        self.capture.start_tap()
 
-    def _start_tap(self) -> None:
-        """The dispatcher tap for attention no Python wrapper sees (fadiag/capture/tap.py), as `tap` says."""
-        mode = self.config.tap
-        if mode == "off":
-            return
-        why = tap_supported()
-        if why is not None:
-            self._tap_unavailable(why)
-            return
-        from .capture import native
-
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
-        if mode == "on":
-            ext = native.load(kind)
-            if ext is None:
-                self._tap_unavailable(native.status(kind))
-            else:
-                self._install_tap(ext)
-            return
-        self.tap_status = "loading"
-        attaching = threading.get_ident()
-
-        def ready(ext: Any) -> None:
-            if threading.get_ident() == attaching:  # already loaded: install now
-                self._install_tap(ext)
-            elif not self._closed:  # on the build thread: install on the training thread
-                self.recorder.pending = lambda: self._install_tap(ext)
-
-        native.load_in_background(kind, ready)
-        if native.status(kind).startswith("unavailable"):
-            self._tap_unavailable(native.status(kind))
-
-    def _install_tap(self, ext: Any) -> None:
-        if self._closed or self.recorder.tap is not None:
-            return
-        if not getattr(ext, "tap", False):
-            self._tap_unavailable("the native extension was built without it (torch < 2.9)")
-            return
-        try:
-            tap = Tap(ext, self.config.steps.max_calls_per_step)
-            tap.install()
-        except Exception as e:
-            self._error("tap install", e)
-            self._tap_unavailable(f"{type(e).__name__}: {e}")
-            return
-        tap.set_measuring(self.recorder.measuring)
-        self.recorder.tap = tap
-        self.tap_status = "installed"
-
-    def _tap_unavailable(self, why: str) -> None:
-        self.tap_status = f"unavailable: {why.removeprefix('unavailable: ')}"
-        log.warning("fadiag: the dispatcher tap is unavailable (%s): attention in torch.compile'd "
-                    "code is not measured; eager code is measured as usual", why)
-
-    def _patch_op(self, op: AttentionOp, import_missing: bool) -> None:
-        done: set[int] = set()
-        for target in op.targets:
-            found = resolve_target(target, import_missing)
-            if found is None:
-                continue
-            owner, attr = found
-            original = getattr(owner, attr)
-            if getattr(original, "__wrapped_by_fadiag__", False) or id(original) in done:
-                continue
-            wrapper = self.recorder.wrap(op.prepare(original) if op.prepare else original, op)
-            self._patcher.replace(owner, attr, wrapper)
-            self._patcher.alias_builtin(original, wrapper)
-            done.add(id(original))
-            if self.config.interceptors.rebind_imported:
-                self._patcher.rebind_everywhere(original, wrapper)
+    @property
+    def tap_status(self) -> str:
+        """The dispatcher tap: "installed", "loading", "off", "not loaded" or "unavailable: …"."""
+        return self.capture.tap_status
 
     def _instrument(self, fn: Any, name: str | None, layout: str, heads: int | None,
                     causal_arg: int | str | None = None) -> Any:
-        impl = name or getattr(fn, "__name__", "custom")
-        op = AttentionOp(name=f"instrument:{impl}", config_key="", targets=(),
-                         read=reader_for_layout(layout, heads, fn, causal_arg), impl=impl,
-                         output=lambda out: out[0] if isinstance(out, (tuple, list)) else out)
-        if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
-            base_apply = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
-            own = fn.__dict__.get("apply")
-            inner = own.__func__ if isinstance(own, classmethod) else base_apply
-
-            def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
-                return inner(cls, *args, **kwargs)
-
-            wrapped = self.recorder.wrap(apply, op)
-            self._patcher.replace(fn, "apply", classmethod(wrapped))
-            return fn
-        wrapper = self.recorder.wrap(fn, op)
-        self._patcher.rebind_everywhere(fn, wrapper)
-        return wrapper
-
-    def _wrap_transformers(self) -> None:
-        """Wrap HF's attention registry entries (except "sdpa", which reaches the patched SDPA)."""
-        if self._hf_wrapped or not self.config.interceptors.transformers:
-            return
-        mu = sys.modules.get("transformers.modeling_utils")
-        registry = getattr(mu, "ALL_ATTENTION_FUNCTIONS", None)
-        if registry is None:
-            return
-        self._hf_wrapped = True
-        store = getattr(registry, "_global_mapping", registry)
-        for key in list(store):
-            fn = store[key]
-            if key == "sdpa" or getattr(fn, "__wrapped_by_fadiag__", False):
-                continue
-            # HF's flex entry runs torch.compile(flex_attention) (plain flex only inside a graph).
-            impl = "flash_attn" if "flash" in key else "flex" if key == "flex_attention" else key
-            op = AttentionOp(name=f"transformers:{key}", config_key="transformers", targets=(),
-                             read=read_hf, impl=impl,
-                             output=lambda out: out[0] if isinstance(out, (tuple, list)) else out)
-            self._patcher.replace_item(store, key, self.recorder.wrap(fn, op))
+        return self.capture.instrument(fn, name, layout, heads, causal_arg)
 
     def close(self) -> None:
-        self._closed = True
+        self.capture.closed = True
         self.recorder.stop()
         self.recorder.pending = None
         if self._optimizer_hook is not None:
             self._optimizer_hook.remove()
             self._optimizer_hook = None
-        self._patcher.restore()
+        self.capture.restore()
         self.recorder.boundary("detach")
-        tap, self.recorder.tap = self.recorder.tap, None
-        if tap is not None:
-            try:
-                tap.uninstall()
-            except Exception as e:
-                self._error("tap uninstall", e)
+        self.capture.uninstall_tap()
         self.devices.close()
         self.resolver.stop()
         if self._server is not None:
@@ -329,9 +166,9 @@ class Session:
 
     def _on_step(self, closed: ClosedStep) -> None:
         self.resolver.submit(closed)
-        if not self._hf_wrapped:
+        if not self.capture.hf_wrapped:
             try:
-                self._wrap_transformers()
+                self.capture.wrap_transformers()
             except Exception as e:
                 self._error("transformers registry", e)
 
@@ -404,11 +241,12 @@ class Session:
 
 
 class _DisabledSession(Session):
+    tap_status = "off"  # type: ignore[assignment]
+
     def __init__(self, config: Config):  # noqa: D107 - a session that does nothing
         self.config = config
         self.port = None
         self.errors = 0
-        self.tap_status = "off"
 
     def _start(self) -> None:
         pass

@@ -9,13 +9,14 @@ import torch
 
 import fadiag
 from fadiag import session as session_mod
+from fadiag.export import log as log_sink
 
 
 @pytest.fixture(autouse=True)
 def _detached():
     fadiag.detach()
     session_mod._instrumented.clear()
-    session_mod._LOGGED.clear()
+    log_sink._LOGGED.clear()
     yield
     fadiag.detach()
     session_mod._instrumented.clear()

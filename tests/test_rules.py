@@ -372,7 +372,7 @@ def test_sixteen_sites_over_the_line_are_one_flag_that_names_the_worst():
 
 
 def test_one_log_line_for_the_flags_of_one_step_and_none_again_after_attach(caplog):
-    from fadiag.session import LogSink
+    from fadiag.export.log import LogSink
 
     per_site = [Flag(rule="backward_forward_ratio", value=3.2 + 0.01 * i, threshold=3.0, step=1,
                      site=f"m.py:1#{i}", message=f"site {i}", severity="info") for i in range(16)]
@@ -385,7 +385,7 @@ def test_one_log_line_for_the_flags_of_one_step_and_none_again_after_attach(capl
 
 
 def test_a_warning_is_logged_even_while_an_info_flag_of_the_rule_is_rate_limited(caplog):
-    from fadiag.session import LogSink
+    from fadiag.export.log import LogSink
 
     def flag(severity):
         return Flag(rule="backward_forward_ratio", value=3.3, threshold=3.0, step=1, site="*",

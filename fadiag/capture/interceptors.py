@@ -1,0 +1,198 @@
+"""Installing capture: the op table's Python wrappers, instrument()'d ops, HF transformers'
+attention registry, and the dispatcher tap.
+
+Every wrapper's body is the recorder's `wrap()`; the tap, once its extension is built or loaded,
+is handed to the recorder, whose steps take in its calls. `restore()` and `uninstall_tap()`
+undo it all; the session decides when.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..config import Config
+from .ops import OPS, AttentionOp, read_hf, reader_for_layout, resolve_target
+from .patcher import Patcher
+from .tap import Tap
+from .tap import supported as tap_supported
+
+log = logging.getLogger("fadiag")
+
+
+def _first(out: Any) -> Any:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+class Interceptors:
+    """What attach() patches and installs, and how to take it back.
+
+    Example::
+
+        capture = Interceptors(config, recorder, on_error)
+        capture.install(instrumented=[])
+        capture.start_tap()
+        ...
+        capture.restore()
+        capture.uninstall_tap()
+    """
+
+    def __init__(self, config: Config, recorder: Any,
+                 on_error: Callable[[str, BaseException], None]):
+        self.config = config
+        self.recorder = recorder
+        self._on_error = on_error
+        self._patcher = Patcher()
+        self.hf_wrapped = False
+        self.closed = False
+        """Set first thing by the session's close(): a build finishing later installs nothing."""
+        self.tap_status = "off" if config.tap == "off" else "not loaded"
+        """The dispatcher tap: "installed", "loading", "off", "not loaded" or "unavailable: …"."""
+
+    # ---- Python wrappers -------------------------------------------------------------------
+
+    def install(self, instrumented: list[tuple[Any, str | None, str, int | None,
+                                               int | str | None]]) -> None:
+        """Wrap every enabled op of the table, each instrument()'d op, and HF's registry."""
+        icfg = self.config.interceptors
+        for op in OPS:
+            if getattr(icfg, op.config_key):
+                self._patch_op(op, import_missing=op.config_key != "sdpa")
+                if op.install is not None:
+                    op.install(self._patcher, self.recorder)
+        for fn, name, layout, heads, causal_arg in instrumented:
+            self.instrument(fn, name, layout, heads, causal_arg)
+        self.wrap_transformers()
+
+    def _patch_op(self, op: AttentionOp, import_missing: bool) -> None:
+        done: set[int] = set()
+        for target in op.targets:
+            found = resolve_target(target, import_missing)
+            if found is None:
+                continue
+            owner, attr = found
+            original = getattr(owner, attr)
+            if getattr(original, "__wrapped_by_fadiag__", False) or id(original) in done:
+                continue
+            wrapper = self.recorder.wrap(op.prepare(original) if op.prepare else original, op)
+            self._patcher.replace(owner, attr, wrapper)
+            self._patcher.alias_builtin(original, wrapper)
+            done.add(id(original))
+            if self.config.interceptors.rebind_imported:
+                self._patcher.rebind_everywhere(original, wrapper)
+
+    def instrument(self, fn: Any, name: str | None, layout: str, heads: int | None,
+                   causal_arg: int | str | None = None) -> Any:
+        """Wrap the user's own op (see `fadiag.instrument`); returns what replaces it."""
+        impl = name or getattr(fn, "__name__", "custom")
+        op = AttentionOp(name=f"instrument:{impl}", config_key="", targets=(),
+                         read=reader_for_layout(layout, heads, fn, causal_arg), impl=impl,
+                         output=_first)
+        if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
+            base_apply = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
+            own = fn.__dict__.get("apply")
+            inner = own.__func__ if isinstance(own, classmethod) else base_apply
+
+            def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
+                return inner(cls, *args, **kwargs)
+
+            wrapped = self.recorder.wrap(apply, op)
+            self._patcher.replace(fn, "apply", classmethod(wrapped))
+            return fn
+        wrapper = self.recorder.wrap(fn, op)
+        self._patcher.rebind_everywhere(fn, wrapper)
+        return wrapper
+
+    def wrap_transformers(self) -> None:
+        """Wrap HF's attention registry entries (except "sdpa", which reaches the patched SDPA)."""
+        if self.hf_wrapped or not self.config.interceptors.transformers:
+            return
+        mu = sys.modules.get("transformers.modeling_utils")
+        registry = getattr(mu, "ALL_ATTENTION_FUNCTIONS", None)
+        if registry is None:
+            return
+        self.hf_wrapped = True
+        store = getattr(registry, "_global_mapping", registry)
+        for key in list(store):
+            fn = store[key]
+            if key == "sdpa" or getattr(fn, "__wrapped_by_fadiag__", False):
+                continue
+            # HF's flex entry runs torch.compile(flex_attention) (plain flex only inside a graph).
+            impl = "flash_attn" if "flash" in key else "flex" if key == "flex_attention" else key
+            op = AttentionOp(name=f"transformers:{key}", config_key="transformers", targets=(),
+                             read=read_hf, impl=impl, output=_first)
+            self._patcher.replace_item(store, key, self.recorder.wrap(fn, op))
+
+    def restore(self) -> None:
+        """Put back every function and registry entry replaced, exactly."""
+        self._patcher.restore()
+
+    # ---- the dispatcher tap ----------------------------------------------------------------
+
+    def start_tap(self) -> None:
+        """The dispatcher tap for attention no Python wrapper sees (tap.py), as `tap` says."""
+        mode = self.config.tap
+        if mode == "off":
+            return
+        why = tap_supported()
+        if why is not None:
+            self._tap_unavailable(why)
+            return
+        from . import native
+
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        if mode == "on":
+            ext = native.load(kind)
+            if ext is None:
+                self._tap_unavailable(native.status(kind))
+            else:
+                self._install_tap(ext)
+            return
+        self.tap_status = "loading"
+        attaching = threading.get_ident()
+
+        def ready(ext: Any) -> None:
+            if threading.get_ident() == attaching:  # already loaded: install now
+                self._install_tap(ext)
+            elif not self.closed:  # on the build thread: install on the training thread
+                self.recorder.pending = lambda: self._install_tap(ext)
+
+        native.load_in_background(kind, ready)
+        if native.status(kind).startswith("unavailable"):
+            self._tap_unavailable(native.status(kind))
+
+    def _install_tap(self, ext: Any) -> None:
+        if self.closed or self.recorder.tap is not None:
+            return
+        if not getattr(ext, "tap", False):
+            self._tap_unavailable("the native extension was built without it (torch < 2.9)")
+            return
+        try:
+            tap = Tap(ext, self.config.steps.max_calls_per_step)
+            tap.install()
+        except Exception as e:
+            self._on_error("tap install", e)
+            self._tap_unavailable(f"{type(e).__name__}: {e}")
+            return
+        tap.set_measuring(self.recorder.measuring)
+        self.recorder.tap = tap
+        self.tap_status = "installed"
+
+    def _tap_unavailable(self, why: str) -> None:
+        self.tap_status = f"unavailable: {why.removeprefix('unavailable: ')}"
+        log.warning("fadiag: the dispatcher tap is unavailable (%s): attention in torch.compile'd "
+                    "code is not measured; eager code is measured as usual", why)
+
+    def uninstall_tap(self) -> None:
+        """Restore the ops' own kernels (the recorder no longer drains the tap)."""
+        tap, self.recorder.tap = self.recorder.tap, None
+        if tap is not None:
+            try:
+                tap.uninstall()
+            except Exception as e:
+                self._on_error("tap uninstall", e)
