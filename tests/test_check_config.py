@@ -13,7 +13,7 @@ import yaml
 from fadiag.cli import main
 from fadiag.cli.check_config import reference_markdown
 from fadiag.config import Config
-from fadiag.config.loader import config_keys
+from fadiag.config.keys import config_keys
 
 REPO = Path(__file__).resolve().parents[1]
 BAD = "# fadiag\nexporter:\n  prot: 1\n  port: -1\nrules:\n  hang:\n    timeout_seconds: 0\n"

@@ -13,7 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fadiag.config import Config, ExporterConfig, HangRuleConfig
-from fadiag.config.loader import ALIASES, config_issues, config_keys, load_config, validate_mapping
+from fadiag.config.keys import config_keys
+from fadiag.config.loader import ALIASES, config_issues, load_config, validate_mapping
 from fadiag.errors import ConfigError
 
 NO_ENV: dict[str, str] = {}

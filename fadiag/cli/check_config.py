@@ -15,7 +15,8 @@ from typing import Any
 import yaml
 
 from ..config import Config
-from ..config.loader import ALIASES, config_issues, config_keys, load_config
+from ..config.keys import config_keys
+from ..config.loader import ALIASES, config_issues, load_config
 from . import _args
 
 
