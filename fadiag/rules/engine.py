@@ -16,14 +16,14 @@ from ..memory import scores_bytes
 from ..steps.records import Flag, SiteSummary, StepReport, ratio, summarize
 from .bands import band_for
 from .baseline import Baseline
+from .messages import band_label, memory_advice, ratio_advice, site_text
 
 log = logging.getLogger("fadiag")
 
 TOTAL = "*"
+"""The `site` of a flag about a whole step."""
 CLEAR_AFTER = 3
 """Calm evaluations (steps, or hang checks) before an open episode is cleared."""
-_FUSED = ("flash", "cudnn", "cpu_flash", "flash_attn", "npu_fusion", "overrideable", "flex")
-"""The `site` of a flag about a whole step."""
 
 
 class Rules:
@@ -146,16 +146,16 @@ class Rules:
             calm = all(b is not None and b.covers(y) for b, (_, y, _) in zip(bands, over, strict=True))
             out[("backward_forward_ratio", TOTAL)] = self._flag(
                 "backward_forward_ratio", total, line, report.step, TOTAL, s,
-                _ratio_advice(total, line, s, r, len(over), len(sites), self.device, median),
-                severity="info" if calm else "warning", band=_band_label(s, self.device))
+                ratio_advice(total, line, s, r, len(over), len(sites), self.device, median),
+                severity="info" if calm else "warning", band=band_label(s, self.device))
         elif self.cfg.per_site:
             for s, r, t in over:
                 b = band_for(s, self.device)
                 out[("backward_forward_ratio", s.site)] = self._flag(
                     "backward_forward_ratio", r, t, report.step, s.site, s,
-                    _ratio_advice(r, t, s, r, None, len(sites), self.device, median),
+                    ratio_advice(r, t, s, r, None, len(sites), self.device, median),
                     severity="info" if b is not None and b.covers(r) else "warning",
-                    band=_band_label(s, self.device))
+                    band=band_label(s, self.device))
         return out
 
     def _memory(self, report: StepReport, sites: list[SiteSummary]) -> dict[tuple[str, str], Flag]:
@@ -169,7 +169,7 @@ class Rules:
                            if worst is not None and c.site == worst.site and c.fallback_reason), None)
             out[("memory_savings", TOTAL)] = self._flag(
                 "memory_savings", m, cfg.threshold, report.step, TOTAL, worst,
-                _memory_advice(m, cfg.threshold, worst, reason, len(under), len(sites)))
+                memory_advice(m, cfg.threshold, worst, reason, len(under), len(sites)))
         elif self.cfg.per_site:
             for s in under:
                 assert s.memory_savings is not None
@@ -177,7 +177,7 @@ class Rules:
                                if c.site == s.site and c.fallback_reason), None)
                 out[("memory_savings", s.site)] = self._flag(
                     "memory_savings", s.memory_savings, cfg.threshold, report.step, s.site, s,
-                    _memory_advice(s.memory_savings, cfg.threshold, s, reason, None, len(sites)))
+                    memory_advice(s.memory_savings, cfg.threshold, s, reason, None, len(sites)))
         for s, value, message in _unfused_flex(report, sites, cfg.threshold):
             site = s.site if self.cfg.per_site else TOTAL
             out.setdefault(("memory_savings", site), self._flag(
@@ -295,85 +295,6 @@ class Rules:
                     rank=self.rank, severity=severity, band=band)
 
 
-def _band_label(s: SiteSummary, device: str) -> str:
-    b = band_for(s, device)
-    return "unknown" if b is None else b.label()
-
-
-def _shape_text(s: SiteSummary | None) -> str:
-    if s is None:
-        return ""
-    b, h, sq, sk, d = s.shape
-    return f"impl={s.impl} B={b} H={h} Sq={sq} Sk={sk} D={d} {s.dtype}"
-
-
-def _where(s: SiteSummary | None, n: int | None, n_sites: int) -> str:
-    """Which site: the worst of the step's `n` over the line, or (n None) the flag's own site."""
-    if s is None:
-        return ""
-    if n is None:
-        return f" (site {s.site}: {_shape_text(s)})"
-    return f" ({n}/{n_sites} sites; worst {s.site}: {_shape_text(s)})"
-
-
-def _ratio_advice(value: float, threshold: float, s: SiteSummary, site_value: float,
-                  n_over: int | None, n_sites: int, device: str, median: str) -> str:
-    """What the flag says: the figure, where, and whether it is what the kernel does when healthy
-    (the measured band), then what to do."""
-    head = f"backward/forward {value:.2f}x > {threshold:g}x{median}"
-    if n_over is None:
-        where = f" (site {s.site}: {_shape_text(s)})"
-    else:
-        where = f" ({n_over}/{n_sites} sites; worst {s.site} {site_value:.2f}x: {_shape_text(s)})"
-    band = band_for(s, device)
-    if band is not None and band.covers(site_value):
-        return (f"{head}{where} — within {band.describe()}: this is the kernel, not a fault; "
-                f"set rules.backward_forward_ratio.per_impl.{s.impl} (fadiag calibrate measures "
-                "it) to judge this job against its own")
-    if band is not None:
-        known = f" — beyond {band.describe()}"
-    else:
-        known = f" — no healthy range measured for {s.impl} at this shape on {device or 'this device'}"
-    if s.impl == "efficient":
-        why = (f": mem-efficient backend at S={s.shape[2]}; flash and cuDNN are faster in both "
-               "passes: use fp16/bf16 and a head dim flash supports, or enable the cuDNN backend")
-    elif s.impl == "math":
-        why = ": the math path: see the memory flag for why fused kernels were not used"
-    elif s.impl == "flex_unfused":
-        why = ": flex_attention without torch.compile runs unfused; wrap it with torch.compile"
-    elif s.impl not in _FUSED:
-        why = (f": {s.impl}'s own backward is slow: check that it recomputes only what it must "
-               "and launches fused kernels")
-    elif s.shape[2] <= 512:
-        why = (f": short sequence (S={s.shape[2]}): the step is launch-bound and backward ≈4x "
-               "forward is normal here; raise rules.backward_forward_ratio.min_forward_seconds "
-               "to ignore it")
-    else:
-        why = (": backward does 2.5x forward's FLOPs; beyond its healthy range the backward kernel "
-               "is slow for this shape: try another backend (fadiag bench), a newer kernel, or "
-               "measure this job's own range (fadiag calibrate)")
-    return head + where + known + why
-
-
-def _memory_advice(m: float, threshold: float, s: SiteSummary | None, reason: str | None,
-                   n_under: int | None, n_sites: int) -> str:
-    head = f"memory savings {m:.1%} < {threshold:.0%}"
-    where = _where(s, n_under, n_sites)
-    if s is None:
-        why = ""
-    elif s.impl == "math":
-        why = (" — SDPA fell back to the math path, which keeps [B,H,Sq,Sk] matrices"
-               + (f": {reason}" if reason else "")
-               + "; pass a bool mask or is_causal, use fp16/bf16 and a supported head dim, "
-                 "or nn.MultiheadAttention(need_weights=False)")
-    elif s.shape[4] * 2 >= s.shape[3]:
-        why = (f" — short sequence (Sk={s.shape[3]}) with head dim {s.shape[4]}: the output itself "
-               "is a large share of standard attention's memory; expected, not a fault")
-    else:
-        why = f" — {s.impl} keeps more than O and logsumexp for backward: check what it saves"
-    return head + where + why
-
-
 def _unfused_flex(report: StepReport, sites: list[SiteSummary],
                   threshold: float) -> list[tuple[SiteSummary, float, str]]:
     """Eager flex_attention sites whose materialized scores fall below the savings threshold.
@@ -395,7 +316,7 @@ def _unfused_flex(report: StepReport, sites: list[SiteSummary],
         how = ("the allocator's peak" if peaks else
                "at least one fp32 matrix: this device reports no allocator peak")
         out.append((s, value, (
-            f"memory savings {value:.1%} < {threshold:.0%}{_where(s, None, len(sites))} — "
+            f"memory savings {value:.1%} < {threshold:.0%}{site_text(s, None, len(sites))} — "
             "flex_attention ran without torch.compile, so it materializes [B,H,Sq,Sk] scores "
             f"({materialized / 2**20:.3g} MiB a call, {how}) in each pass: wrap it with "
             "torch.compile (torch.compile(flex_attention)) to run the fused kernel")))
