@@ -20,6 +20,7 @@ from rich.table import Table
 from .. import _args
 from .._output import Console
 from ..estimate.arithmetic import human_bytes
+from . import accelerator, results
 from . import measure as bench
 
 GPU_SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384)
@@ -42,11 +43,11 @@ def seq_lens(text: str) -> tuple[int, ...]:
 
 def backend_list(text: str) -> tuple[str, ...]:
     names = tuple(dict.fromkeys(t.strip() for t in text.split(",") if t.strip()))
-    unknown = [n for n in names if n not in bench.BACKENDS]
+    unknown = [n for n in names if n not in results.BACKENDS]
     if unknown or not names:
         raise argparse.ArgumentTypeError(
             f"unknown backend {', '.join(unknown) or repr(text)}; "
-            f"choose from {', '.join(bench.BACKENDS)}")
+            f"choose from {', '.join(results.BACKENDS)}")
     return names
 
 
@@ -106,7 +107,7 @@ def _usage_error(argument: str, message: str) -> int:
     return 2
 
 
-def command_line(args: argparse.Namespace, device: str, cfg: bench.BenchConfig) -> str:
+def command_line(args: argparse.Namespace, device: str, cfg: results.BenchConfig) -> str:
     """The canonical command that repeats this run, defaults spelled out."""
     argv = ["fadiag", "bench", "--device", device,
             "--seq-lens", ",".join(map(str, cfg.seq_lens)),
@@ -123,12 +124,12 @@ def command_line(args: argparse.Namespace, device: str, cfg: bench.BenchConfig) 
 def run(args: argparse.Namespace) -> int:
     device = args.device or bench.default_device()
     gpu = device != "cpu"
-    wrong = [b for b in args.backends if b not in bench.DEVICE_BACKENDS[device]]
+    wrong = [b for b in args.backends if b not in results.DEVICE_BACKENDS[device]]
     if wrong:
         return _usage_error("--backends", f"{', '.join(wrong)} cannot run on {device}; choose "
-                                          f"from {', '.join(bench.DEVICE_BACKENDS[device])}")
+                                          f"from {', '.join(results.DEVICE_BACKENDS[device])}")
     try:
-        cfg = bench.BenchConfig(
+        cfg = results.BenchConfig(
             device=device,
             seq_lens=args.seq_lens or (GPU_SEQ_LENS if gpu else CPU_SEQ_LENS),
             backends=args.backends,
@@ -140,8 +141,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:  # the parser's types already enforce the rest
         return _usage_error("--device", str(e))
     try:
-        bench.Accelerator.open(device)
-    except bench.DeviceUnavailableError as e:
+        accelerator.Accelerator.open(device)
+    except accelerator.DeviceUnavailableError as e:
         return _usage_error("--device", str(e))
 
     err = Console(stderr=True)
@@ -192,7 +193,7 @@ def _ms(x: float | None) -> str:
     return "—" if x is None else (f"{x:.3f}" if x < 10 else f"{x:.1f}")
 
 
-def results_table(report: bench.BenchReport) -> Table:
+def results_table(report: results.BenchReport) -> Table:
     env, cfg = report.environment, report.config
     table = Table(
         title=(f"{env['device_name']} · torch {env['torch']} · B={cfg.batch} H={cfg.heads} "
@@ -226,7 +227,7 @@ def results_table(report: bench.BenchReport) -> Table:
     return table
 
 
-def not_measured_table(report: bench.BenchReport) -> Table:
+def not_measured_table(report: results.BenchReport) -> Table:
     table = Table(title="not measured", title_justify="left")
     for name in ("S", "backend", "status", "reason"):
         table.add_column(name)
@@ -236,7 +237,7 @@ def not_measured_table(report: bench.BenchReport) -> Table:
     return table
 
 
-def formula_table(report: bench.BenchReport) -> Table:
+def formula_table(report: results.BenchReport) -> Table:
     table = Table(title="standard-bytes formula vs the math backend's kept bytes",
                   title_justify="left")
     for name in ("S", "math kept", "formula O+S+P", "kept/formula", "one [B,H,S,S]"):
@@ -248,7 +249,7 @@ def formula_table(report: bench.BenchReport) -> Table:
     return table
 
 
-def mha_table(report: bench.BenchReport) -> Table:
+def mha_table(report: results.BenchReport) -> Table:
     cfg = report.config
     table = Table(title=(f"nn.MultiheadAttention, embed {cfg.heads * cfg.head_dim}, {cfg.heads} "
                          f"heads, B={cfg.batch}, fwd+bwd ms: need_weights=False (flash) vs "
@@ -262,18 +263,18 @@ def mha_table(report: bench.BenchReport) -> Table:
     return table
 
 
-def write_outputs(report: bench.BenchReport, directory: Path) -> list[Path]:
+def write_outputs(report: results.BenchReport, directory: Path) -> list[Path]:
     """bench.csv, bench.json, bench.png (and mha.csv) under `directory`."""
     directory.mkdir(parents=True, exist_ok=True)
     paths = [directory / "bench.csv", directory / "bench.json", directory / "bench.png"]
     device = report.environment["device_name"]
-    _write_csv(paths[0], ["device", *(f.name for f in fields(bench.BackendRow))],
+    _write_csv(paths[0], ["device", *(f.name for f in fields(results.BackendRow))],
                [{"device": device, **asdict(r)} for r in report.rows])
     paths[1].write_text(json.dumps(report.to_dict(), indent=2) + "\n")
     plot(report, paths[2])
     if report.mha_rows:
         paths.append(directory / "mha.csv")
-        _write_csv(paths[-1], ["device", *(f.name for f in fields(bench.MhaRow))],
+        _write_csv(paths[-1], ["device", *(f.name for f in fields(results.MhaRow))],
                    [{"device": device, **asdict(m)} for m in report.mha_rows])
     return paths
 
@@ -286,7 +287,7 @@ def _write_csv(path: Path, columns: list[str], rows: list[dict[str, Any]]) -> No
             writer.writerow({k: "" if v is None else v for k, v in row.items()})
 
 
-def plot(report: bench.BenchReport, path: Path) -> None:
+def plot(report: results.BenchReport, path: Path) -> None:
     """fwd/bwd ms, bwd/fwd and savings against S per backend (+ MHA flash/standard)."""
     from matplotlib.figure import Figure  # Agg via savefig; no pyplot, no global backend
 

@@ -9,10 +9,8 @@ import contextlib
 import platform
 import re
 import statistics
-import time
 import warnings
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from typing import Any
 
@@ -20,19 +18,17 @@ import torch
 
 from ... import memory
 from ...capture.device import available
-from ...errors import FadiagError
 from ...version import __version__
 from ..estimate.arithmetic import human_bytes
-
-DEVICE_BACKENDS = {
-    "cuda": ("flash", "efficient", "cudnn", "math"),
-    "cpu": ("cpu_flash", "math"),
-    "npu": ("npu_fusion", "math"),
-}
-"""Backends each device can run, in the order they are measured (all of them by default)."""
-
-BACKENDS = ("flash", "efficient", "cudnn", "cpu_flash", "npu_fusion", "math")
-DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
+from .accelerator import Accelerator
+from .results import (
+    DTYPES,
+    BackendRow,
+    BenchConfig,
+    BenchReport,
+    FormulaCheck,
+    MhaRow,
+)
 _SDPA = {
     "flash": "FLASH_ATTENTION",
     "cpu_flash": "FLASH_ATTENTION",
@@ -51,248 +47,9 @@ MATH_PEAK_MATRICES = 5
 """The math path's peak, in fp32 [B, H, Sq, Sk] matrices (measured 4.1 on an H200 at S=4096)."""
 
 
-class DeviceUnavailableError(FadiagError, RuntimeError):
-    """The requested device is not usable in this process."""
-
-
-@dataclass(frozen=True, kw_only=True)
-class BenchConfig:
-    """What to measure.
-
-        report = run_bench(BenchConfig(device="cpu", seq_lens=(128, 256), heads=4, head_dim=32))
-    """
-
-    device: str = "cpu"
-    """cpu, cuda or npu."""
-    seq_lens: tuple[int, ...] = (128, 256, 512, 1024)
-    """Sequence lengths (queries = keys: self-attention)."""
-    backends: tuple[str, ...] = ()
-    """Backends to measure; empty means every backend of the device (`DEVICE_BACKENDS`)."""
-    dtype: str = "float32"
-    """float16, bfloat16 or float32."""
-    batch: int = 1
-    heads: int = 32
-    head_dim: int = 128
-    causal: bool = False
-    iters: int = 20
-    """Timed iterations; the median is reported."""
-    warmup: int = 5
-    mha: bool = False
-    """Also time nn.MultiheadAttention with need_weights=False (flash) and True (standard)."""
-    memory_fraction: float = 0.9
-    """Skip the math path where its estimated peak exceeds this fraction of free memory."""
-
-    def __post_init__(self) -> None:
-        if self.device not in DEVICE_BACKENDS:
-            raise ValueError(f"bench.device must be one of cpu, cuda, npu, got {self.device!r}.")
-        for name in ("batch", "heads", "head_dim", "iters"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"bench.{name} must be greater than 0.")
-        if self.warmup < 0:
-            raise ValueError("bench.warmup must be 0 or more.")
-        if not self.seq_lens or min(self.seq_lens) < 1:
-            raise ValueError("bench.seq_lens must be one or more positive integers.")
-        if self.dtype not in DTYPES:
-            raise ValueError(f"bench.dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}.")
-        wrong = [b for b in self.backends if b not in DEVICE_BACKENDS[self.device]]
-        if wrong:
-            raise ValueError(
-                f"bench.backends: {', '.join(wrong)} cannot run on {self.device}; "
-                f"choose from {', '.join(DEVICE_BACKENDS[self.device])}."
-            )
-        if not 0.0 < self.memory_fraction <= 1.0:
-            raise ValueError("bench.memory_fraction must be in (0, 1].")
-
-    @property
-    def backend_list(self) -> tuple[str, ...]:
-        return self.backends or DEVICE_BACKENDS[self.device]
-
-
-@dataclass(kw_only=True)
-class BackendRow:
-    """One backend at one sequence length. Times in ms (median), bytes in bytes."""
-
-    backend: str
-    seq_len: int
-    batch: int
-    heads: int
-    head_dim: int
-    dtype: str
-    causal: bool
-    status: str = "ok"
-    """ok, unsupported (torch refused the shape), skipped (memory guard) or oom."""
-    reason: str = ""
-    forward_ms: float | None = None
-    backward_ms: float | None = None
-    ratio: float | None = None
-    """backward_ms / forward_ms."""
-    kept_bytes: int | None = None
-    """Saved for backward, excluding storage shared with q, k, v."""
-    standard_bytes: int = 0
-    """`fadiag.memory.standard_bytes` for this shape: O + S + P."""
-    memory_savings: float | None = None
-    peak_bytes: int | None = None
-    """Allocator peak above the start during forward + backward; None on CPU."""
-    forward_tflops: float | None = None
-    backward_tflops: float | None = None
-    forward_pct_of_matmul_peak: float | None = None
-    backward_pct_of_matmul_peak: float | None = None
-    grad_fn: str = ""
-
-
-@dataclass(kw_only=True)
-class FormulaCheck:
-    """The math backend's measured kept bytes against `fadiag.memory.standard_bytes`."""
-
-    seq_len: int
-    math_kept_bytes: int
-    standard_bytes: int
-    matrix_bytes: int
-    """One [B, H, S, S] matrix in the compute dtype."""
-    ratio: float
-    """math_kept_bytes / standard_bytes."""
-
-
-@dataclass(kw_only=True)
-class MhaRow:
-    """nn.MultiheadAttention fwd+bwd: need_weights=False (SDPA, flash) vs True (standard)."""
-
-    seq_len: int
-    embed_dim: int
-    flash_forward_ms: float | None = None
-    flash_backward_ms: float | None = None
-    flash_ms: float | None = None
-    standard_forward_ms: float | None = None
-    standard_backward_ms: float | None = None
-    standard_ms: float | None = None
-    flash_over_standard: float | None = None
-    status: str = "ok"
-    reason: str = ""
-
-
-@dataclass(kw_only=True)
-class BenchReport:
-    config: BenchConfig
-    environment: dict[str, Any]
-    matmul_tflops: float
-    matmul_dtype: str
-    rows: list[BackendRow] = field(default_factory=list)
-    formula_checks: list[FormulaCheck] = field(default_factory=list)
-    mha_rows: list[MhaRow] = field(default_factory=list)
-
-    def skipped(self) -> list[str]:
-        return [f"{r.backend} S={r.seq_len}: {r.reason}" for r in self.rows if r.status == "skipped"]
-
-    def to_dict(self) -> dict[str, Any]:
-        """The JSON document `fadiag bench --out` writes."""
-        return {
-            "environment": self.environment,
-            "config": asdict(self.config),
-            "matmul_tflops": self.matmul_tflops,
-            "matmul_dtype": self.matmul_dtype,
-            "rows": [asdict(r) for r in self.rows],
-            "formula_check": [asdict(c) for c in self.formula_checks],
-            "mha": [asdict(m) for m in self.mha_rows],
-            "skipped": self.skipped(),
-        }
-
-
 def default_device() -> str:
     """The accelerator this machine has: npu (torch_npu imports and sees one), cuda, else cpu."""
     return next(kind for kind in ("npu", "cuda", "cpu") if available(kind))
-
-
-class Accelerator:
-    """The bench's access to one device: clock, synchronisation, allocator peak, free memory.
-
-    The bench owns its process, so unlike the always-on seam in `fadiag.device` it synchronises
-    freely and resets the allocator's peak counter.
-    """
-
-    def __init__(self, kind: str):
-        self.kind = kind
-        self.device = torch.device(kind)
-        self.module: Any = None if kind == "cpu" else getattr(torch, kind)
-
-    @classmethod
-    def open(cls, kind: str) -> Accelerator:
-        if kind == "npu":
-            try:
-                import torch_npu  # noqa: F401  (registers torch.npu)
-            except ImportError as e:
-                raise DeviceUnavailableError(
-                    f"torch_npu does not import here ({e}); run on an Ascend machine with "
-                    "torch_npu installed, or use --device cpu."
-                ) from None
-        if kind != "cpu" and not getattr(torch, kind).is_available():
-            raise DeviceUnavailableError(
-                f"no {kind.upper()} device is available to torch {torch.__version__}; "
-                "run on a machine with one, or use --device cpu."
-            )
-        return cls(kind)
-
-    def name(self) -> str:
-        if self.module is not None:
-            return str(self.module.get_device_name())
-        with contextlib.suppress(OSError), open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-        return platform.processor() or platform.machine() or "cpu"
-
-    def sync(self) -> None:
-        if self.module is not None:
-            self.module.synchronize()
-
-    def marks(self, n: int) -> Marks:
-        return Marks(self.module, n)
-
-    def free_bytes(self) -> int:
-        if self.module is None:
-            import psutil
-
-            return int(psutil.virtual_memory().available)
-        return int(self.module.mem_get_info()[0])
-
-    def start_peak(self) -> int | None:
-        """Reset the allocator's peak; returns the bytes allocated now (None on CPU)."""
-        if self.module is None:
-            return None
-        self.sync()
-        self.module.reset_peak_memory_stats()
-        return int(self.module.memory_allocated())
-
-    def peak_since(self, base: int | None) -> int | None:
-        if base is None:
-            return None
-        self.sync()
-        return int(self.module.max_memory_allocated()) - base
-
-    def empty_cache(self) -> None:
-        if self.module is not None:
-            self.module.empty_cache()
-
-
-class Marks:
-    """Pre-made timing marks: device events on CUDA/NPU, perf_counter_ns on CPU."""
-
-    def __init__(self, module: Any, n: int):
-        self._events = module is not None
-        self._m: list[Any] = (
-            [module.Event(enable_timing=True) for _ in range(n)] if self._events else [0] * n
-        )
-
-    def mark(self, i: int) -> None:
-        if self._events:
-            self._m[i].record()
-        else:
-            self._m[i] = time.perf_counter_ns()
-
-    def ms(self, i: int, j: int) -> float:
-        """Milliseconds from mark i to mark j; call after the device has been synchronised."""
-        if self._events:
-            return float(self._m[i].elapsed_time(self._m[j]))
-        return (self._m[j] - self._m[i]) / 1e6
 
 
 def attention_flops(batch: int, heads: int, seq_q: int, seq_k: int, head_dim: int,
