@@ -8,10 +8,24 @@ overrides.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from .checks import Check, _integer, _is_host, _mapping_of, _number, _one_of, _validate
+from ..errors import ConfigError
+from .checks import (
+    _REPR,
+    Check,
+    _hints,
+    _integer,
+    _is_host,
+    _is_int,
+    _mapping_of,
+    _number,
+    _one_of,
+    _schema,
+)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -303,3 +317,60 @@ class Config:
     def to_dict(self) -> dict[str, Any]:
         """Every key and its value, nested as in the YAML file; `load_config()` accepts it back."""
         return dataclasses.asdict(self)
+
+
+# --- validation (the checks themselves are in checks.py) ------------------------------------
+
+@functools.cache
+def _prefixes() -> dict[type, str]:
+    """Each config class's dotted prefix: "" for Config, "rules.hang." for HangRuleConfig."""
+    prefixes: dict[type, str] = {Config: ""}
+    todo: list[type] = [Config]
+    while todo:
+        cls = todo.pop()
+        for name, spec in _schema(cls).items():
+            if isinstance(spec, type):
+                assert spec not in prefixes, f"{spec.__name__} appears twice in the schema"
+                prefixes[spec] = f"{prefixes[cls]}{name}."
+                todo.append(spec)
+    return prefixes
+
+
+def _problems(
+    cls: type, given: Mapping[str, Any], effective: Mapping[str, Any]
+) -> Iterator[tuple[str, str]]:
+    """(field name, reason) for each bad leaf in `given` and each bad combination in `effective`."""
+    schema = _schema(cls)
+    bad = set()
+    for name, value in given.items():
+        check = schema[name]
+        if isinstance(check, Check) and not check.accepts(value):
+            bad.add(name)
+            yield name, f"must be {check.expected}, got {_REPR.repr(value)}"
+        elif isinstance(check, Check) and check.entry is not None:
+            for key, item in value.items():
+                if not check.entry.accepts(item):
+                    bad.add(name)
+                    yield f"{name}.{key}", f"must be {check.entry.expected}, got {_REPR.repr(item)}"
+    for a, b in getattr(cls, "_together", ()):
+        if a in bad or b in bad or (effective[a] is None) == (effective[b] is None):
+            continue
+        have, lack = (a, b) if effective[b] is None else (b, a)
+        yield have, f"is set but {_prefixes()[cls]}{lack} is not; set both or neither"
+
+
+def _validate(obj: Any) -> None:
+    cls: type = type(obj)
+    prefix = _prefixes()[cls]
+    values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    for name, reason in _problems(cls, values, values):
+        raise ConfigError(f"{prefix}{name} {reason}")
+    for name, spec in _schema(cls).items():
+        value = values[name]
+        if isinstance(spec, type) and not isinstance(value, spec):
+            raise ConfigError(
+                f"{prefix}{name} must be of type {spec.__name__}, got {_REPR.repr(value)}; "
+                "load_config() builds one from a mapping"
+            )
+        if _is_int(value) and _hints(cls)[name] is float:
+            object.__setattr__(obj, name, float(value))  # floats accept ints, and store floats
