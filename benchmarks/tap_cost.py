@@ -49,8 +49,8 @@ def run(device: str, calls: int, boundary=lambda: fadiag.step()) -> float:
 def raw_tap():
     """The tap alone, without a session: its records drained and their marks given back."""
     from fadiag.capture import native
-    from fadiag.capture.tap import Tap
     from fadiag.capture.calls import Call
+    from fadiag.capture.tap import Tap
 
     tap = Tap(native.load("cuda" if torch.cuda.is_available() else "cpu"), 4096)
     tap.install()

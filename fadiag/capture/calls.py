@@ -12,9 +12,9 @@ from typing import Any
 
 from ..memory import standard_bytes
 from . import backends
+from .attention_op import AttentionOp, CallInfo
 from .device import window_peak
 from .graph import SavedBytes, find_fused
-from .ops import AttentionOp, CallInfo
 
 
 class Signature:

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from .ops import AttentionOp, CallInfo, _bhsd, _opt, first_tensor
+from .attention_op import AttentionOp, CallInfo, _bhsd, _opt, first_tensor
 from .patcher import user_globals
 
 MODULE = "torch.nn.attention.flex_attention"

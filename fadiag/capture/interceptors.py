@@ -17,16 +17,13 @@ from typing import Any
 import torch
 
 from ..config import Config
-from .ops import OPS, AttentionOp, read_hf, reader_for_layout, resolve_target
+from .attention_op import AttentionOp, first_tensor
+from .ops import OPS, read_hf, reader_for_layout, resolve_target
 from .patcher import Patcher
 from .tap import Tap
 from .tap import supported as tap_supported
 
 log = logging.getLogger("fadiag")
-
-
-def _first(out: Any) -> Any:
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 class Interceptors:
@@ -92,7 +89,7 @@ class Interceptors:
         impl = name or getattr(fn, "__name__", "custom")
         op = AttentionOp(name=f"instrument:{impl}", config_key="", targets=(),
                          read=reader_for_layout(layout, heads, fn, causal_arg), impl=impl,
-                         output=_first)
+                         output=first_tensor)
         if isinstance(fn, type) and issubclass(fn, torch.autograd.Function):
             base_apply = torch.autograd.Function.apply.__func__  # type: ignore[attr-defined]
             own = fn.__dict__.get("apply")
@@ -125,7 +122,7 @@ class Interceptors:
             # HF's flex entry runs torch.compile(flex_attention) (plain flex only inside a graph).
             impl = "flash_attn" if "flash" in key else "flex" if key == "flex_attention" else key
             op = AttentionOp(name=f"transformers:{key}", config_key="transformers", targets=(),
-                             read=read_hf, impl=impl, output=_first)
+                             read=read_hf, impl=impl, output=first_tensor)
             self._patcher.replace_item(store, key, self.recorder.wrap(fn, op))
 
     def restore(self) -> None:

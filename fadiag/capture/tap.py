@@ -16,9 +16,10 @@ from typing import Any
 
 import torch
 
+from .attention_op import AttentionOp, CallInfo
 from .calls import Signature
 from .device import NativeTimer
-from .ops import AttentionOp, CallInfo, read_sdpa
+from .ops import read_sdpa
 from .patcher import Patcher
 
 log = logging.getLogger("fadiag")

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..capture import backends
+from ..capture.attention_op import AttentionOp, CallInfo
 from ..capture.calls import Call, Signature, learn
 from ..capture.device import Devices
 from ..capture.graph import (
@@ -26,7 +27,7 @@ from ..capture.graph import (
     hook_backward,
     in_reentrant_checkpoint,
 )
-from ..capture.ops import AttentionOp, CallInfo, mask_key, quick_sdpa
+from ..capture.ops import mask_key, quick_sdpa
 from .boundary import ClosedStep, StepBoundaries
 
 _CONFIG_EVERY_S = 1.0
