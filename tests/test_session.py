@@ -117,6 +117,34 @@ def test_seed_style_autograd_function_is_measured_after_instrument():
     assert call.kept_bytes == 1 * 2 * 128 * 16 * 4  # it saves q, k, v and O: O is what it keeps
 
 
+class _SlowGradient(torch.autograd.Function):
+    """Identity whose backward takes 0.2 s: the work autograd runs after an attention node."""
+
+    @staticmethod
+    def forward(ctx, x):  # type: ignore[no-untyped-def]
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        time.sleep(0.2)
+        return g
+
+
+def test_a_single_node_backward_ends_where_that_node_ends_not_after_the_inputs_gradients():
+    # The Function's one backward node yields q's, k's and v's gradients at once; the nodes that
+    # take them next (here: slow on purpose, as the q/k/v projections' backward is) are not the
+    # call's backward, though autograd runs some of them before the last of the three starts.
+    fadiag.instrument(SeedFlashAttention, name="seed_flash")
+    s = attach()
+    for slow in (False, True):  # the first backward also pays the kernels' first-call set-up
+        x = [torch.randn(1, 2, 32, 16, requires_grad=True) for _ in range(3)]
+        q, k, v = (_SlowGradient.apply(t) for t in x) if slow else x
+        SeedFlashAttention.apply(q, k, v, 0.25, True).sum().backward()
+        fadiag.step()
+    call = resolved(s).calls[0]
+    assert 0 < call.backward_seconds < 0.2
+
+
 def test_instrument_after_attach_and_detach_restores_apply():
     s = attach()
     assert "apply" not in SeedFlashAttention.__dict__
