@@ -312,6 +312,43 @@ def test_compiled_model_reports_every_call_with_the_impl_that_ran(backend):
     assert session.errors == 0
 
 
+def test_ten_thousand_compiled_steps_keep_device_memory_rss_and_marks_flat():
+    import psutil
+
+    torch._dynamo.reset()
+    session = fadiag.attach(port=0, tap="on")
+    assert session.tap_status == "installed"
+    torch.manual_seed(0)
+    model = GPT(layers=2, dim=128, heads=2, vocab=128).cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    run = torch.compile(model)
+    tokens = torch.randint(0, 128, (2, 256), device="cuda")
+
+    def steps(n):
+        for _ in range(n):
+            run(tokens).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    steps(300)  # compiles, warms up; the allocator and the mark pool reach their working size
+    assert session.flush(30)
+    rss0, mem0 = psutil.Process().memory_info().rss, torch.cuda.memory_allocated()
+    steps(10_000)
+    assert session.flush(60)
+    rss1, mem1 = psutil.Process().memory_info().rss, torch.cuda.memory_allocated()
+    report = session.last_step()
+    print(f"allocated {mem0} -> {mem1} bytes; RSS {rss0 >> 20} -> {rss1 >> 20} MiB; "
+          f"tap {session.tap_status}; unmeasured {session.recorder.unmeasured_totals()}")
+    assert report.step == 10_300
+    assert [c.site for c in report.calls] == ["compiled#0", "compiled#1"]
+    assert mem1 == mem0
+    # Step reports are kept in a bounded history and the resolver's caches are bounded: 10 000
+    # steps must not grow the process by more than noise (the history's own bound included).
+    assert rss1 - rss0 < 64 << 20, (rss0, rss1)
+    assert session.devices.timer("cuda").marks_in_use() == 0
+    assert session.errors == 0
+
+
 def test_cuda_graph_replays_of_compiled_attention_are_counted():
     torch._dynamo.reset()
     session = fadiag.attach(port=0, tap="on")
