@@ -302,11 +302,24 @@ def _compiled_run(attached, tmp_path=None):
             assert session.flush(10)
             run["history"] = session.history()
             run["totals"] = session.recorder.unmeasured_totals()
-            run["exported"] = sample(session, "fadiag_attention_uninstrumented_calls_total",
-                                     reason="flex_compiled")
+            run["exported"] = _exported(session, "flex_compiled", run["totals"]["flex_compiled"])
     finally:
         fadiag.detach()
     return run
+
+
+def _exported(session, reason, expected):
+    """The uninstrumented counter a scrape reads, once it reached `expected` (it is refreshed
+    from the recorder twice a second) or 10 s passed."""
+    registry = CollectorRegistry()
+    registry.register(session.metrics)
+    deadline = time.monotonic() + 10
+    while True:
+        value = registry.get_sample_value("fadiag_attention_uninstrumented_calls_total",
+                                          {"rank": "0", "reason": reason})
+        if value == expected or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
 
 
 @pytest.fixture(scope="module")
