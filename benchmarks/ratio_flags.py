@@ -145,15 +145,18 @@ def injected(s: int, d: int, causal: bool, per_impl: dict[str, float], clean: in
                        "band": f.band} for f in flags if f.rule == "backward_forward_ratio"]}
 
 
-def checkpointing(steps: int = 8) -> dict[str, Any]:
+def checkpointing(steps: int = 8, dim: int = 1024, heads: int = 8, batch: int = 4) -> dict[str, Any]:
+    """At dim 1024, B=4 the GPU waits for the host about half of each step (benchmarks/windows.py:
+    busy fraction 0.4-0.5), so every event window also holds host time, more with checkpointing's
+    Python; at dim 2048, B=8 the GPU stays ahead."""
     def ratios(mode: str | None) -> dict[str, float]:
         torch.manual_seed(0)
-        model = GPT(layers=8, dim=1024, heads=8, vocab=512, checkpointing=mode).cuda().bfloat16()
+        model = GPT(layers=8, dim=dim, heads=heads, vocab=512, checkpointing=mode).cuda().bfloat16()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         session = fadiag.attach(**BASE)
         try:
             for _ in range(steps):
-                tokens = torch.randint(0, 512, (4, 2048), device="cuda")
+                tokens = torch.randint(0, 512, (batch, 2048), device="cuda")
                 logits = model(tokens)
                 F.cross_entropy(logits.float().view(-1, 512), tokens.view(-1)).backward()
                 opt.step()
@@ -170,7 +173,8 @@ def checkpointing(steps: int = 8) -> dict[str, Any]:
 
     plain, ckpt = ratios(None), ratios("non_reentrant")
     diffs = {k: abs(ckpt[k] - plain[k]) / plain[k] for k in plain if k in ckpt}
-    return {"plain": plain, "non_reentrant": ckpt, "max_rel_diff": max(diffs.values()),
+    return {"size": {"layers": 8, "dim": dim, "heads": heads, "batch": batch, "seq": 2048},
+            "plain": plain, "non_reentrant": ckpt, "max_rel_diff": max(diffs.values()),
             "sites_missing": sorted(set(plain) ^ set(ckpt))}
 
 
@@ -179,10 +183,17 @@ def main() -> None:
     p.add_argument("--out", default="ratio-flags.json")
     p.add_argument("--seq-lens", default="1024,2048,4096,8192")
     p.add_argument("--steps", type=int, default=12, help="steps per cell (3 are warm-up)")
+    p.add_argument("--checkpointing-only", action="store_true",
+                   help="only the checkpointing comparison, at both sizes")
     args = p.parse_args()
     seq_lens = [int(x) for x in args.seq_lens.split(",")]
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    if args.checkpointing_only:
+        result["checkpointing"] = [checkpointing(), checkpointing(dim=2048, heads=16, batch=8)]
+        Path(args.out).write_text(json.dumps(result, indent=1))
+        print(json.dumps(result, indent=1))
+        return
     grid = cells(seq_lens)
     defaults = [run_cell(b, s, d, c, args.steps, {}) for b, s, d, c in grid]
     result["defaults"] = {"cells": defaults, "all_exact": all(r["exact"] for r in defaults),
@@ -207,7 +218,7 @@ def main() -> None:
     inj = [injected(s, 128, True, per_impl) for s in seq_lens]
     result["injected"] = {"runs": inj, "all_within_5_steps": all(
         r["steps_to_flag"] is not None and r["steps_to_flag"] <= 5 for r in inj)}
-    result["checkpointing"] = checkpointing()
+    result["checkpointing"] = [checkpointing(), checkpointing(dim=2048, heads=16, batch=8)]
     text = json.dumps(result, indent=1)
     Path(args.out).write_text(text)
     print(text)

@@ -42,3 +42,12 @@ def test_a_band_applies_to_its_card_impl_and_length_only():
                          (_site(dtype="float32"), "NVIDIA H200"), (_site(device="cpu"), "NVIDIA H200"),
                          (_site(sk=8192), "NVIDIA H200"), (_site(impl="math"), "NVIDIA H200")]:
         assert band_for(site, device) is None
+
+
+def test_a_ratio_within_the_cards_run_to_run_spread_of_a_band_edge_is_within_the_band():
+    band = band_for(_site(impl="efficient", n=4096), "NVIDIA H200")
+    assert band.high == 3.28
+    # The efficient backend measured 3.286 at S=4096 in a later run on the same card: the same
+    # kernel, 0.2 % over the grid's highest cell, is no warning.
+    assert band.covers(3.286)
+    assert not band.covers(3.28 * 1.05)

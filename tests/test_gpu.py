@@ -312,6 +312,43 @@ def test_compiled_model_reports_every_call_with_the_impl_that_ran(backend):
     assert session.errors == 0
 
 
+def test_ten_thousand_compiled_steps_keep_device_memory_rss_and_marks_flat():
+    import psutil
+
+    torch._dynamo.reset()
+    session = fadiag.attach(port=0, tap="on")
+    assert session.tap_status == "installed"
+    torch.manual_seed(0)
+    model = GPT(layers=2, dim=128, heads=2, vocab=128).cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    run = torch.compile(model)
+    tokens = torch.randint(0, 128, (2, 256), device="cuda")
+
+    def steps(n):
+        for _ in range(n):
+            run(tokens).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+
+    steps(300)  # compiles, warms up; the allocator and the mark pool reach their working size
+    assert session.flush(30)
+    rss0, mem0 = psutil.Process().memory_info().rss, torch.cuda.memory_allocated()
+    steps(10_000)
+    assert session.flush(60)
+    rss1, mem1 = psutil.Process().memory_info().rss, torch.cuda.memory_allocated()
+    report = session.last_step()
+    print(f"allocated {mem0} -> {mem1} bytes; RSS {rss0 >> 20} -> {rss1 >> 20} MiB; "
+          f"tap {session.tap_status}; unmeasured {session.recorder.unmeasured_totals()}")
+    assert report.step == 10_300
+    assert [c.site for c in report.calls] == ["compiled#0", "compiled#1"]
+    assert mem1 == mem0
+    # Step reports are kept in a bounded history and the resolver's caches are bounded: 10 000
+    # steps must not grow the process by more than noise (the history's own bound included).
+    assert rss1 - rss0 < 64 << 20, (rss0, rss1)
+    assert session.devices.timer("cuda").marks_in_use() == 0
+    assert session.errors == 0
+
+
 def test_cuda_graph_replays_of_compiled_attention_are_counted():
     torch._dynamo.reset()
     session = fadiag.attach(port=0, tap="on")
@@ -321,4 +358,71 @@ def test_cuda_graph_replays_of_compiled_attention_are_counted():
     assert session.flush(30)
     totals = session.recorder.unmeasured_totals()
     assert totals.get("cuda_graph", 0) >= 4, totals  # 4 layers' forwards, per replay
+    assert session.errors == 0
+
+
+# ---- flex_attention inside a compiled model -----------------------------------------------------
+
+
+class _FlexGPT(torch.nn.Module):
+    """Causal flex_attention layers, trained (flex has a backward on CUDA)."""
+
+    def __init__(self, layers: int, dim: int, heads: int, seq: int):
+        from torch.nn.attention.flex_attention import create_block_mask
+
+        super().__init__()
+        self.heads = heads
+        self.emb = torch.nn.Embedding(64, dim)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(dim, 3 * dim) for _ in range(layers))
+        self.head = torch.nn.Linear(dim, 64)
+        self.mask = create_block_mask(lambda b, h, q, kv: q >= kv, None, None, seq, seq,
+                                      device="cuda")
+
+    def forward(self, tokens):
+        from torch.nn.attention.flex_attention import flex_attention
+
+        b, s = tokens.shape
+        x = self.emb(tokens)
+        for proj in self.qkv:
+            q, k, v = proj(x).view(b, s, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+            x = x + flex_attention(q, k, v, block_mask=self.mask).transpose(1, 2).reshape(b, s, -1)
+        return self.head(x)
+
+
+def test_flex_inside_a_compiled_model_counts_its_forward_and_backward_calls_each_step():
+    torch._dynamo.reset()
+    session = fadiag.attach(port=0)
+    torch.manual_seed(0)
+    model = _FlexGPT(layers=4, dim=256, heads=4, seq=512).cuda().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    run = torch.compile(model)
+    tokens = torch.randint(0, 64, (2, 512), device="cuda")
+    for _ in range(3):
+        F.cross_entropy(run(tokens).view(-1, 64).float(), tokens.view(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert session.flush(30)
+    counted = [r.unmeasured for r in session.history()]
+    assert counted == [{"flex_compiled": 4, "flex_compiled_backward": 4}] * 3, counted
+    assert session.errors == 0
+
+
+def test_measured_compiled_flex_backward_is_not_counted_as_flex_compiled_backward():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    torch._dynamo.reset()
+    session = fadiag.attach(port=0)
+    fn = torch.compile(flex_attention)
+    q, k, v = (torch.randn(2, 4, 1024, 64, device="cuda", dtype=torch.bfloat16,
+                           requires_grad=True) for _ in range(3))
+    for _ in range(3):
+        fn(q, k, v).sum().backward()
+        fadiag.step()
+    assert session.flush(30)
+    calls = [c for r in session.history() for c in r.calls]
+    # The first call compiled (counted as compiling, untimed); the others are measured.
+    assert len(calls) == 2 and {c.impl for c in calls} == {"flex"}, calls
+    assert all(c.backward_seconds > 0 for c in calls), calls
+    totals = session.recorder.unmeasured_totals()
+    assert "flex_compiled" not in totals and "flex_compiled_backward" not in totals, totals
     assert session.errors == 0

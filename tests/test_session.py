@@ -117,6 +117,44 @@ def test_seed_style_autograd_function_is_measured_after_instrument():
     assert call.kept_bytes == 1 * 2 * 128 * 16 * 4  # it saves q, k, v and O: O is what it keeps
 
 
+class _OneNode(torch.autograd.Function):
+    """Attention in one autograd node of a name fadiag does not know (as a compiled function's)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # type: ignore[no-untyped-def]
+        ctx.save_for_backward(q, k, v)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    @staticmethod
+    def backward(ctx, g):  # type: ignore[no-untyped-def]
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in ctx.saved_tensors)
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return torch.autograd.grad(out, (q, k, v), g)
+
+
+def _seed_attention(q, k, v):
+    """A user's attention function: one autograd node computes its backward."""
+    return _OneNode.apply(q, k, v)
+
+
+def test_a_single_node_backward_ends_where_that_node_ends_not_after_the_inputs_gradients():
+    # The Function's one backward node yields q's, k's and v's gradients at once. What autograd
+    # runs next for each input (here: each leaf's gradient hook, slow on purpose; in a model, the
+    # gradient accumulation into leaves or the q/k/v projections' backward) is not the call's.
+    fadiag.instrument(_seed_attention, name="seed_fn")
+    s = attach()  # rebinds this module's `_seed_attention` to the measuring wrapper
+    for slow in (False, True):  # the first backward also pays the kernels' first-call set-up
+        q, k, v = (torch.randn(1, 2, 32, 16, requires_grad=True) for _ in range(3))
+        for t in (q, k, v) if slow else ():
+            t.register_hook(lambda g: time.sleep(0.2))
+        _seed_attention(q, k, v).sum().backward()
+        fadiag.step()
+    call = resolved(s).calls[0]
+    assert call.impl == "seed_fn"
+    assert 0 < call.backward_seconds < 0.2
+
+
 def test_instrument_after_attach_and_detach_restores_apply():
     s = attach()
     assert "apply" not in SeedFlashAttention.__dict__

@@ -48,7 +48,7 @@ class AttentionOp:
     targets: tuple[str, ...]
     read: Reader
     impl: str | None = None
-    """Fixed impl name; None: ask torch which SDPA backend ran (fadiag.backends)."""
+    """Fixed impl name; None: ask torch which SDPA backend ran (fadiag.capture.backends)."""
     output: Callable[[Any], Any] = field(default=lambda out: out)
     sdpa_like: bool = False
     quick: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, Any, Any, Any]] | None = None

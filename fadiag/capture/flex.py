@@ -3,6 +3,7 @@
 Eager `flex_attention` runs torch's unfused path, which materializes the score matrix (impl
 `flex_unfused`); the callable `torch.compile(flex_attention)` returns runs fused kernels (impl
 `flex`) and is wrapped where it is made (`torch.compile`) or found (module globals, at attach()).
+Flex inside a compiled model runs kernels generated into the graph: counted per graph run.
 """
 
 from __future__ import annotations
@@ -178,42 +179,29 @@ def _graphs_compiled() -> int:
     return int(utils.counters["stats"]["unique_graphs"]) if utils is not None else 0
 
 
-def _count(reason: str) -> None:
+def _count(reason: str, n: int = 1) -> None:
     rec = _recorder
     if rec is not None:
-        rec.unmeasured[reason] = rec.unmeasured.get(reason, 0) + 1
-
-
-def _traced() -> int:
-    """Runs while dynamo traces a flex call into a larger compiled graph, never when that graph
-    runs (assume_constant_result): such calls run generated kernels that no wrapper sees."""
-    _count("flex_compiled")
-    if "flex_compiled" not in _logged:
-        _logged.add("flex_compiled")
-        log.warning("fadiag: flex_attention inside torch.compile'd code is not measured (its "
-                    "kernels are generated into the graph); counted in "
-                    "fadiag_attention_uninstrumented_calls_total{reason=\"flex_compiled\"} once "
-                    "per call site each time a graph is compiled")
-    return 0
-
-
-# What torch._dynamo.assume_constant_result sets: dynamo calls the function while tracing and
-# puts its result in the graph as a constant (importing dynamo here would cost ~1 s at import).
-_traced._dynamo_marked_constant = True  # type: ignore[attr-defined]
+        rec.unmeasured[reason] = rec.unmeasured.get(reason, 0) + n
 
 
 def prepare(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """`fn` as the recorder should call it: counts flex traced into compiled graphs, and drops
-    the timing of a call during which dynamo compiled (its first call per shape: seconds of
-    compiling, not the kernel), counting it as ``compiling``."""
+    """`fn` as the recorder should call it: drops the timing of a call during which dynamo
+    compiled (its first call per shape: seconds of compiling, not the kernel), counting it as
+    ``compiling``, and marks the call under way so the compiled graphs it runs are not counted
+    as unmeasured flex."""
 
     @functools.wraps(fn)
     def fadiag_flex(*args: Any, **kwargs: Any) -> Any:
-        if _is_compiling():
-            _traced()
+        global _inside
+        if _is_compiling():  # traced into a larger graph: counted when that graph runs
             return fn(*args, **kwargs)
         before = _graphs_compiled()
-        out = fn(*args, **kwargs)
+        _inside += 1
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            _inside -= 1
         if _graphs_compiled() != before:
             _drop_in_flight()
         return out
@@ -230,6 +218,100 @@ def _drop_in_flight() -> None:
     if call.fwd1 is None and not call.aborted:  # the call this one runs inside, not yet ended
         call.aborted = True
         _count("compiling")
+
+
+# ---- flex inside a compiled model: counted each time its graph runs -----------------------
+
+_inside = 0
+"""Flex calls fadiag measures, under way: the compiled graphs they run are theirs."""
+_counting = False
+"""inductor's compiled graphs count the flex calls they run (set through the session's Patcher)."""
+_FORWARD = "torch.ops.higher_order.flex_attention("
+_BACKWARD = "torch.ops.higher_order.flex_attention_backward("
+_graphs: dict[int, tuple[Any, int, int]] = {}
+"""id(graph) -> (weak reference, flex forwards, flex backwards): what one run of it holds."""
+_measured_ids: set[Any] = set()
+"""inductor graph ids of measured torch.compile(flex_attention) callables: the backward graph of
+one (compiled at its first backward, outside the call) holds the measured call's backward."""
+
+
+def flex_in(graph: Any) -> tuple[int, int]:
+    """(flex forwards, flex backwards) one run of an inductor graph makes, read from the post-grad
+    graph it lowered: inductor keeps that text with the graph in its caches, so a graph loaded
+    from a cache is read like a fresh one."""
+    text = (getattr(graph, "inductor_post_grad_graph_str", None)
+            or getattr(graph, "runnable_graph_str", None))
+    if not text:
+        if "unreadable_graph" not in _logged:
+            _logged.add("unreadable_graph")
+            log.warning("fadiag: this torch's compiled graphs do not say which ops they lowered; "
+                        "flex_attention inside torch.compile'd code is not counted")
+        return 0, 0
+    return text.count(_FORWARD), text.count(_BACKWARD)
+
+
+def _learn(graph: Any) -> tuple[Any, int, int]:
+    forwards, backwards = flex_in(graph)
+    kwargs = getattr(graph, "fx_kwargs", None) or {}
+    graph_id = kwargs.get("graph_id")
+    if _inside:
+        if graph_id is not None:
+            _measured_ids.add(graph_id)
+        forwards = backwards = 0
+    elif kwargs.get("is_backward") and graph_id is not None and graph_id in _measured_ids:
+        forwards = backwards = 0
+    key = id(graph)
+    entry = (weakref.ref(graph, lambda _, key=key: _graphs.pop(key, None)), forwards, backwards)
+    _graphs[key] = entry
+    if (forwards or backwards) and "flex_compiled" not in _logged:
+        _logged.add("flex_compiled")
+        log.warning("fadiag: flex_attention inside torch.compile'd code runs kernels generated "
+                    "into the graph and is not timed; each run is counted in "
+                    "fadiag_attention_uninstrumented_calls_total{reason=\"flex_compiled\"} "
+                    "(forward) and {reason=\"flex_compiled_backward\"}")
+    return entry
+
+
+def _ran(graph: Any) -> None:
+    """One run of an inductor graph: count the flex calls it holds, unless fadiag measures them."""
+    entry = _graphs.get(id(graph))
+    if entry is None or entry[0]() is not graph:
+        entry = _learn(graph)
+    if _inside:
+        return
+    _, forwards, backwards = entry
+    if forwards:
+        _count("flex_compiled", forwards)
+    if backwards:
+        _count("flex_compiled_backward", backwards)
+
+
+def count_compiled_graphs(patcher: Any) -> None:
+    """Count, per run, the flex calls of the graphs inductor compiled (made before or after now).
+
+    A compiled graph runs its flex kernels with no dispatcher op or Python call fadiag could see;
+    the graph's own call is the one place left, a Python call per graph run (not per op). It
+    changes nothing dynamo or inductor compile, and runs nothing in the graphs.
+    """
+    module = sys.modules.get("torch._inductor.output_code")
+    graph_class = getattr(module, "CompiledFxGraph", None)
+    if _counting or graph_class is None:
+        return
+    original = graph_class.__call__
+    rec = _recorder
+
+    @functools.wraps(original)
+    def __call__(self: Any, inputs: Any) -> Any:
+        try:
+            _ran(self)
+        except Exception as e:
+            rec._on_error("flex.compiled_graph", e)
+        return original(self, inputs)
+
+    patcher.replace(sys.modules[__name__], "_counting", True)
+    patcher.replace(sys.modules[__name__], "_graphs", {})
+    patcher.replace(sys.modules[__name__], "_measured_ids", set())
+    patcher.replace(graph_class, "__call__", __call__)
 
 
 # ---- torch.compile(flex_attention) ----------------------------------------------------------
@@ -267,11 +349,18 @@ def install(patcher: Any, recorder: Any) -> None:
     def compile(model: Any = None, *args: Any, **kwargs: Any) -> Any:  # noqa: A001 - torch's name
         target = unwrapped(model) if model is not None else None
         if target is not flex or kwargs.get("disable"):
-            return original_compile(model, *args, **kwargs)
+            compiled = original_compile(model, *args, **kwargs)
+            if not _counting:  # torch.compile has imported inductor by now
+                try:
+                    count_compiled_graphs(patcher)
+                except Exception as e:
+                    recorder._on_error("flex.count_compiled_graphs", e)
+            return compiled
         return measured(original_compile(target, *args, **kwargs))
 
     compile.__wrapped_by_fadiag__ = True  # type: ignore[attr-defined]
     patcher.replace(torch, "compile", compile)
+    count_compiled_graphs(patcher)
     for module, attr, value in user_globals():
         if _compiled_from(value, flex):
             patcher.replace(module, attr, measured(value))

@@ -127,8 +127,10 @@ class StepBoundaries:
             tap = self.tap
             if tap is not None:
                 self.calls.extend(tap.drain(Call, self.record_no_grad))
-            # An optimizer step is a step (fadiag_steps_total) even with no attention measured.
-            empty_step = source == "optimizer" and self.measuring
+            # An optimizer step is a step (fadiag_steps_total) even with no attention measured;
+            # so is a manual one whose attention all ran unmeasured (flex in a compiled graph).
+            empty_step = self.measuring and (
+                source == "optimizer" or (source == "manual" and self._op_counted_since()))
             if not self.calls_since_boundary and not self.calls and not empty_step:
                 self._run_pending()
                 return
@@ -172,6 +174,11 @@ class StepBoundaries:
         totals = self.unmeasured_totals()
         before, self._unmeasured_seen = self._unmeasured_seen, totals
         return {k: v - before.get(k, 0) for k, v in totals.items() if v != before.get(k, 0)}
+
+    def _op_counted_since(self) -> bool:
+        """Whether an op's own code counted calls not measured since the last closed step."""
+        seen = self._unmeasured_seen
+        return any(v != seen.get(k, 0) for k, v in self.unmeasured.items())
 
     def _run_pending(self) -> None:
         work, self.pending = self.pending, None

@@ -97,7 +97,7 @@ class Flag:
     fault); warning: beyond that range, or none is known; critical: a hang."""
     band: str = ""
     """Ratio flags: the healthy range they were judged against ("cudnn S≈2048 H200: 2.65-3.38x"),
-    or "unknown" where none was measured (fadiag.bands)."""
+    or "unknown" where none was measured (fadiag.rules.bands)."""
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)

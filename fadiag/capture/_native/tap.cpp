@@ -123,7 +123,7 @@ class TapState {
 
   void set_measuring(bool on) { measuring_.store(on, std::memory_order_relaxed); }
 
-  // Every record since the last drain, as tuples (see Tap.drain in fadiag/tap.py).
+  // Every record since the last drain, as tuples (see Tap.drain in fadiag/capture/tap.py).
   py::list drain() {
     std::vector<Record> records;
     {
@@ -469,7 +469,7 @@ class Tap {
 
   ~Tap() { uninstall(); }
 
-  // Wrap each op's kernel for its key. `specs`: one dict per (op, key), from fadiag/tap.py.
+  // Wrap each op's kernel for its key. `specs`: one dict per (op, key), from fadiag/capture/tap.py.
   void install(const std::vector<py::dict>& specs) {
     TORCH_CHECK(libraries_.empty(), "fadiag tap: already installed");
     std::vector<Spec> parsed;

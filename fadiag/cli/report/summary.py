@@ -120,6 +120,8 @@ class Summary:
     sites: list[SiteRow] = field(default_factory=list)
     impls: Counter[str] = field(default_factory=Counter)
     episodes: list[Episode] = field(default_factory=list)
+    unmeasured: Counter[str] = field(default_factory=Counter)
+    """Attention calls seen and not measured, by reason, over the steps (StepReport.unmeasured)."""
 
 
 def run_logs(path: str | os.PathLike[str]) -> list[Path]:
@@ -161,7 +163,9 @@ def summarize(steps: Sequence[StepReport], flags: Sequence[Flag] | None = None,
     by_rule: Counter[str] = Counter(f.rule for f in flags if not f.cleared)
     sites: dict[str, SiteRow] = {}
     impls: Counter[str] = Counter()
+    unmeasured: Counter[str] = Counter()
     for s in steps:
+        unmeasured.update(s.unmeasured)
         for c in s.calls:
             if not c.recompute:
                 impls[c.impl] += 1
@@ -193,6 +197,7 @@ def summarize(steps: Sequence[StepReport], flags: Sequence[Flag] | None = None,
         sites=list(sites.values()),
         impls=impls,
         episodes=found,
+        unmeasured=unmeasured,
     )
 
 
@@ -304,6 +309,9 @@ def format_summary(s: Summary) -> str:
         "  flags            " + (", ".join(f"{k}: {v}" for k, v in sorted(s.flags_by_rule.items()))
                                  or "none"),
     ]
+    counted = [(k, v) for k, v in s.unmeasured.most_common() if v]
+    if counted:  # attention that ran and is in no figure above
+        lines.append("  not measured     " + ", ".join(f"{k} ({v} calls)" for k, v in counted))
     if s.sites:
         lines += ["", "  per site, medians over the steps it ran in:"]
         lines.extend(_aligned(site_table(s), indent="  "))

@@ -1,0 +1,233 @@
+"""What fadiag's event windows hold, call by call, against CUPTI, on a CUDA GPU.
+
+fadiag times a call between two device marks; CUPTI (torch.profiler) sums the kernels a fused op
+launched. The two agree when the GPU runs ahead of the host; when it waits for the host, the
+window also holds the host's time between the marks. For the same profiled steps, this prints
+each call's forward and backward as fadiag measured it beside the CUPTI device time of the op
+that call ran (in call order), the GPU's busy fraction over those steps (kernel time over wall
+time), and for FlexAttention the kernels of one backward in device order with their gaps.
+
+    python benchmarks/windows.py [--out windows.json] [--only checkpointing,compiled,flex]
+
+Cases: an 8-layer GPT with and without non-reentrant checkpointing at two sizes (one that keeps
+the GPU waiting on the host, one that does not); the Llama-style model of benchmarks/compiled.py
+compiled at B=2 and B=4; `torch.compile(flex_attention)` at S=2048 causal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.autograd import DeviceType
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fadiag  # noqa: E402
+from tests.models import GPT, GpuBusy  # noqa: E402
+
+SDPA = "aten::_scaled_dot_product_"
+
+
+def profiled(step, steps: int) -> tuple[Any, float]:
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    return prof, wall
+
+
+def sdpa_ops(prof: Any) -> list[dict[str, Any]]:
+    """Each top-level fused attention op, in the order the host called it, with its device time."""
+    ops = []
+    for e in prof.events():
+        if not e.name.startswith(SDPA) or "attention" not in e.name:
+            continue
+        if e.cpu_parent is not None and e.cpu_parent.name.startswith(SDPA):
+            continue
+        ops.append({"op": e.name[len(SDPA):], "t": e.time_range.start,
+                    "device_ms": e.device_time_total * 1e-3,
+                    "kernels": sorted({k.name[:60] for k in e.kernels})})
+    ops.sort(key=lambda o: o["t"])
+    return ops
+
+
+def busy_fraction(prof: Any, wall: float) -> float:
+    kernel_us = sum(e.time_range.elapsed_us() for e in prof.events() if e.device_type == DeviceType.CUDA)
+    return kernel_us * 1e-6 / wall
+
+
+def calls_of(session: fadiag.Session, steps: int) -> list[dict[str, Any]]:
+    assert session.flush(60)
+    out = []
+    for r in session.history()[-steps:]:
+        for c in r.calls:
+            out.append({"step": r.step, "site": c.site, "recompute": c.recompute, "impl": c.impl,
+                        "forward_ms": c.forward_seconds * 1e3, "backward_ms": c.backward_seconds * 1e3})
+    return out
+
+
+def side_by_side(calls: list[dict[str, Any]], ops: list[dict[str, Any]]) -> dict[str, Any]:
+    """Forward calls against forward ops, and backward against backward ops, both in order."""
+    fwd_ops = [o for o in ops if not o["op"].endswith("_backward")]
+    bwd_ops = [o for o in ops if o["op"].endswith("_backward")]
+    # Backward ops run in reverse layer order within a step; calls hold each call's backward.
+    rows = [{"site": c["site"], "recompute": c["recompute"], "fadiag_forward_ms": c["forward_ms"],
+             "cupti_forward_ms": o["device_ms"]} for c, o in zip(calls, fwd_ops)]
+    by_step: dict[int, list[dict[str, Any]]] = {}
+    for c in calls:
+        if not c["recompute"]:
+            by_step.setdefault(c["step"], []).append(c)
+    bwd_calls = [c for s in sorted(by_step) for c in reversed(by_step[s])]
+    brows = [{"site": c["site"], "fadiag_backward_ms": c["backward_ms"], "cupti_backward_ms": o["device_ms"]}
+             for c, o in zip(bwd_calls, bwd_ops)]
+
+    def rel(rs, a, b):
+        return statistics.median(r[a] / r[b] - 1.0 for r in rs if r[b] > 0) if rs else None
+
+    return {"forward": rows, "backward": brows,
+            "forward_vs_cupti_median": rel(rows, "fadiag_forward_ms", "cupti_forward_ms"),
+            "backward_vs_cupti_median": rel(brows, "fadiag_backward_ms", "cupti_backward_ms"),
+            "forward_ops": len(fwd_ops), "forward_calls": len(calls), "kernels": fwd_ops[0]["kernels"] if fwd_ops else []}
+
+
+def checkpointing(layers: int, dim: int, heads: int, batch: int, seq: int, mode: str | None) -> dict[str, Any]:
+    torch.manual_seed(0)
+    model = GPT(layers=layers, dim=dim, heads=heads, vocab=512, checkpointing=mode).cuda().bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 512, (batch, seq), device="cuda")
+    session = fadiag.attach(**{"exporter.enabled": False})
+
+    def step() -> None:
+        logits = model(tokens)
+        F.cross_entropy(logits.float().view(-1, 512), tokens.view(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    try:
+        for _ in range(4):
+            step()
+        prof, wall = profiled(step, 2)
+        calls = calls_of(session, 2)
+        ratios: dict[str, list[float]] = {}
+        for r in session.history()[-2:]:
+            for s in r.sites():
+                if s.ratio is not None:
+                    ratios.setdefault(s.site, []).append(s.ratio)
+    finally:
+        fadiag.detach()
+    out = side_by_side(calls, sdpa_ops(prof))
+    out.update({"mode": mode or "none", "size": {"layers": layers, "dim": dim, "heads": heads, "batch": batch, "seq": seq},
+                "gpu_busy_fraction": busy_fraction(prof, wall), "step_ms": wall / 2 * 1e3,
+                "site_ratios": {k: statistics.median(v) for k, v in ratios.items()}})
+    return out
+
+
+def compiled(batch: int) -> dict[str, Any]:
+    import compiled as cm  # benchmarks/compiled.py
+
+    args = argparse.Namespace(layers=16, dim=2048, heads=16, kv_heads=4, seq=2048, batch=batch, vocab=32000)
+    torch._dynamo.reset()
+    session = fadiag.attach(**{"exporter.enabled": False, "tap": "on"})
+    try:
+        step = cm.make(args, None)
+        for _ in range(5):
+            step()
+        prof, wall = profiled(step, 2)
+        calls = calls_of(session, 2)
+    finally:
+        fadiag.detach()
+    out = side_by_side(calls, sdpa_ops(prof))
+    out.update({"batch": batch, "gpu_busy_fraction": busy_fraction(prof, wall), "step_ms": wall / 2 * 1e3})
+    return out
+
+
+def flex_backward_trace(s: int = 2048) -> dict[str, Any]:
+    import torch.nn.attention.flex_attention as fam
+
+    def causal(b, h, q_idx, kv_idx):
+        return q_idx >= kv_idx
+
+    block_mask = fam.create_block_mask(causal, None, None, s, s, device="cuda")
+    q, k, v = (torch.randn(2, 16, s, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+               for _ in range(3))
+    session = fadiag.attach(**{"exporter.enabled": False})
+    fn = torch.compile(fam.flex_attention)
+
+    def once() -> None:
+        GpuBusy.apply(q)
+        out = fn(q, k, v, block_mask=block_mask)
+        GpuBusy.apply(out).backward(torch.ones_like(out))
+        fadiag.step()
+
+    try:
+        for _ in range(4):
+            once()
+        prof, _ = profiled(once, 1)
+        calls = calls_of(session, 1)
+    finally:
+        fadiag.detach()
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    spins = [i for i, e in enumerate(kernels) if "spin" in e.name or "sleep" in e.name]
+    window = kernels[spins[1] + 1:] if len(spins) >= 2 else kernels
+    t0 = window[0].time_range.start if window else 0
+    trace = [{"kernel": e.name[:70], "start_us": e.time_range.start - t0,
+              "dur_us": e.time_range.elapsed_us()} for e in window]
+    busy = sum(r["dur_us"] for r in trace)
+    return {"calls": calls, "backward_kernels": trace, "kernel_sum_us": busy,
+            "span_us": (trace[-1]["start_us"] + trace[-1]["dur_us"]) if trace else 0}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default="windows.json")
+    p.add_argument("--only", default="checkpointing,compiled,flex")
+    a = p.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("benchmarks/windows.py needs a CUDA device")
+    only = set(a.only.split(","))
+    result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+
+    def save() -> None:
+        Path(a.out).write_text(json.dumps(result, indent=1))
+
+    if "checkpointing" in only:
+        result["checkpointing"] = []
+        for size in ((8, 1024, 8, 4, 2048), (8, 2048, 16, 8, 2048)):
+            for mode in (None, "non_reentrant"):
+                result["checkpointing"].append(checkpointing(*size, mode))
+                r = result["checkpointing"][-1]
+                print(json.dumps({k: r[k] for k in ("mode", "size", "gpu_busy_fraction", "step_ms",
+                                                    "forward_vs_cupti_median", "backward_vs_cupti_median",
+                                                    "site_ratios")}), flush=True)
+                save()
+    if "flex" in only:
+        result["flex"] = flex_backward_trace()
+        print(json.dumps({k: result["flex"][k] for k in ("calls", "kernel_sum_us", "span_us")}), flush=True)
+        save()
+    if "compiled" in only:
+        result["compiled"] = []
+        for b in (2, 4):
+            result["compiled"].append(compiled(b))
+            r = result["compiled"][-1]
+            print(json.dumps({k: r[k] for k in ("batch", "gpu_busy_fraction", "step_ms", "forward_vs_cupti_median",
+                                                "backward_vs_cupti_median", "forward_ops", "forward_calls", "kernels")}), flush=True)
+            save()
+
+
+if __name__ == "__main__":
+    main()
