@@ -174,7 +174,7 @@ def main() -> None:
     for label, fn in pieces.items():
         n = 20000
         ns = min(timeit.repeat(fn, number=n, repeat=5)) / n * 1e9
-        rec._site_counts.clear()
+        rec.sites.counts.clear()
         total += ns
         print(f"  {label:32s} {ns:8.0f}")
     print(f"  {'sum of pieces':32s} {total:8.0f}")
@@ -187,7 +187,7 @@ def main() -> None:
 
     n = 20000
     ns = min(timeit.repeat(begin_and_release, number=n, repeat=5)) / n * 1e9
-    rec._site_counts.clear()
+    rec.sites.counts.clear()
     how = "the C++ fast path" if rec._fast is not None else "Python's path (no fast path here)"
     print(f"Recorder.begin, whole, as the steady state runs it ({how}): {ns:.0f} ns")
     fadiag.detach()
