@@ -23,8 +23,8 @@ class DeviceUnavailableError(FadiagError, RuntimeError):
 class Accelerator:
     """The bench's access to one device: clock, synchronisation, allocator peak, free memory.
 
-    The bench owns its process, so unlike the always-on seam in `fadiag.capture.device` it synchronises
-    freely and resets the allocator's peak counter.
+    The bench owns its process, so unlike the always-on seam in `fadiag.capture.device` it
+    synchronises freely and resets the allocator's peak counter.
     """
 
     def __init__(self, kind: str):
