@@ -160,7 +160,8 @@ class RatioRuleConfig:
         "per_impl": _mapping_of("impl names to numbers > 0", _number(above=0)),
         "min_forward_seconds": _number(lo=0),
         "warmup_steps": _integer(0),
-        "host_median_steps": _integer(1),
+        "host_window_steps": _integer(1),
+        "max_cpu_wait": _number(lo=0, hi=1),
     }
 
     enabled: bool = True
@@ -175,9 +176,18 @@ class RatioRuleConfig:
     warmup_steps: int = 3
     """Measured steps after attach() that are not judged (cold caches, kernel plans, autotuning).
     A call that learned its signature (the first of each shape) is never judged."""
-    host_median_steps: int = 9
-    """Host-clock timings (CPU) are judged on the median of a site's last this-many steps, once
-    it has that many: the host clock counts every preemption, and one step can read 30x."""
+    host_window_steps: int = 9
+    """Host-clock timings (CPU) are judged on a site's fastest backward over its fastest forward
+    in its last this-many steps, once it has that many: the host clock counts every preemption
+    (in scheduler slices of milliseconds, so one step can read 30x, and beside a busy process
+    most backward calls are stretched), and a preemption only ever adds time; a really slow
+    backward is slow in every step."""
+    max_cpu_wait: float = 0.5
+    """Host-clock (CPU) steps in which the process's threads spent more than this share of their
+    runnable time waiting for a CPU (Linux's schedstat) are not judged: past half, a two-thread
+    backward waits at every barrier and even its fastest call of a window measures the machine
+    (a healthy 2x kernel read 150-300x at 0.83). Counted in fadiag_contended_steps_total and
+    said once in the log. 1 judges every step."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -213,6 +223,7 @@ class RegressionRuleConfig:
         "sustain_seconds": _number(lo=0),
         "warmup_steps": _integer(0),
         "window": _integer(1),
+        "max_cpu_wait": _number(lo=0, hi=1),
     }
 
     enabled: bool = True
@@ -235,6 +246,13 @@ class RegressionRuleConfig:
     """Steps after the warm-up whose median becomes the baseline (then fixed for the run)."""
     baseline_file: str | None = None
     """A baseline written by `fadiag baseline save`; replaces the rolling baseline where it matches."""
+    max_cpu_wait: float = 0.1
+    """Host-clock (CPU) steps in which the process's threads spent more than this share of their
+    runnable time waiting for a CPU (another process holds the cores: Linux's schedstat) are
+    contended: neither compared nor learned into the rolling baseline (an impl switch is still
+    judged), since on the host clock a busier machine reads as slower attention. Counted in
+    fadiag_contended_steps_total and said once in the log. An idle machine reads below 0.02,
+    one busy process beside a two-thread run about 0.3. 1 compares every step."""
 
     def __post_init__(self) -> None:
         _validate(self)

@@ -26,6 +26,7 @@ from .config_loader import load_config
 from .device import Devices, default_device_type
 from .errors import FadiagError
 from .exporter import Metrics, Server
+from .host import CpuWait
 from .jsonl import JsonlSink
 from .ops import OPS, AttentionOp, read_hf, reader_for_layout, resolve_target
 from .patcher import Patcher
@@ -143,6 +144,7 @@ class Session:
                             "entries for other devices will not match",
                             config.rules.regression.baseline_file, baseline.device, self.device_name)
         self.rules = Rules(config.rules, device=self.device_name, baseline=baseline, rank=self.rank)
+        self._cpu_wait = CpuWait()
         steps = config.steps
         self.recorder = Recorder(
             self.devices, every_n_steps=config.sampling.every_n_steps,
@@ -316,6 +318,7 @@ class Session:
                 self._error("tap uninstall", e)
         self.devices.close()
         self.resolver.stop()
+        self._cpu_wait.close()
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -327,6 +330,13 @@ class Session:
         self.recorder.boundary("optimizer")
 
     def _on_step(self, closed: ClosedStep) -> None:
+        # Host-clock timings carry every preemption: read, at the boundary, how long the
+        # process waited for a CPU, so the rules can tell a busy machine from slow attention.
+        if closed.calls and closed.calls[0].timer.kind == "cpu":
+            try:
+                closed.cpu_wait = self._cpu_wait.read()
+            except Exception as e:
+                self._error("cpu wait", e)
         self.resolver.submit(closed)
         if not self._hf_wrapped:
             try:
@@ -346,6 +356,7 @@ class Session:
             flags = []
         self.metrics.baseline_seconds = self.rules.baseline_seconds
         self.metrics.regression_ratio = self.rules.regression_ratio
+        self.metrics.contended_steps = dict(self.rules.contended_steps)
         self.sinks.emit(report)
         self.sinks.flags(flags)
 
