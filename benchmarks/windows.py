@@ -7,11 +7,12 @@ each call's forward and backward as fadiag measured it beside the CUPTI device t
 that call ran (in call order), the GPU's busy fraction over those steps (kernel time over wall
 time), and for FlexAttention the kernels of one backward in device order with their gaps.
 
-    python benchmarks/windows.py [--out windows.json] [--only checkpointing,compiled,flex]
+    python benchmarks/windows.py [--out windows.json] [--only checkpointing,compiled,flex,hf]
 
 Cases: an 8-layer GPT with and without non-reentrant checkpointing at two sizes (one that keeps
 the GPU waiting on the host, one that does not); the Llama-style model of benchmarks/compiled.py
-compiled at B=2 and B=4; `torch.compile(flex_attention)` at S=2048 causal.
+compiled at B=2 and B=4; `torch.compile(flex_attention)` at S=2048 causal; with `hf` (needs
+transformers), benchmarks/hf_checkpointing.py's HF Llama with and without checkpointing.
 """
 
 from __future__ import annotations
@@ -154,6 +155,48 @@ def compiled(batch: int) -> dict[str, Any]:
     return out
 
 
+def hf_llama(checkpointing: bool) -> dict[str, Any]:
+    """benchmarks/hf_checkpointing.py's 16-layer HF Llama (B=2, S=2048, bf16)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                      num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+                      max_position_embeddings=2048, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).cuda().to(torch.bfloat16)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    tokens = torch.randint(0, 32000, (2, 2048), device="cuda")
+    session = fadiag.attach(**{"exporter.enabled": False})
+
+    def step() -> None:
+        model(input_ids=tokens, labels=tokens).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    try:
+        for _ in range(4):
+            step()
+        prof, wall = profiled(step, 2)
+        calls = calls_of(session, 2)
+    finally:
+        fadiag.detach()
+    out = side_by_side(calls, sdpa_ops(prof))
+    first = [r for r in out["forward"] if not r["recompute"]]
+    again = [r for r in out["forward"] if r["recompute"]]
+    out.update({"checkpointing": checkpointing, "gpu_busy_fraction": busy_fraction(prof, wall),
+                "step_ms": wall / 2 * 1e3,
+                "first_forward_vs_cupti_median": statistics.median(
+                    r["fadiag_forward_ms"] / r["cupti_forward_ms"] - 1 for r in first) if first else None,
+                "recompute_forward_vs_cupti_median": statistics.median(
+                    r["fadiag_forward_ms"] / r["cupti_forward_ms"] - 1 for r in again) if again else None})
+    del model, opt
+    torch.cuda.empty_cache()
+    return out
+
+
 def flex_backward_trace(s: int = 2048) -> dict[str, Any]:
     import torch.nn.attention.flex_attention as fam
 
@@ -215,6 +258,15 @@ def main() -> None:
                                                     "forward_vs_cupti_median", "backward_vs_cupti_median",
                                                     "site_ratios")}), flush=True)
                 save()
+    if "hf" in only:
+        result["hf"] = []
+        for ck in (False, True):
+            result["hf"].append(hf_llama(ck))
+            r = result["hf"][-1]
+            print(json.dumps({k: r[k] for k in ("checkpointing", "gpu_busy_fraction", "step_ms",
+                                                "first_forward_vs_cupti_median", "recompute_forward_vs_cupti_median",
+                                                "backward_vs_cupti_median", "forward_ops", "forward_calls")}), flush=True)
+            save()
     if "flex" in only:
         result["flex"] = flex_backward_trace()
         print(json.dumps({k: result["flex"][k] for k in ("calls", "kernel_sum_us", "span_us")}), flush=True)

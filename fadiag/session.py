@@ -19,6 +19,7 @@ import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .capture.device import Devices, default_device_type
+from .capture.host import CpuWait
 from .capture.interceptors import Interceptors
 from .capture.ops import reader_for_layout
 from .config import Config
@@ -97,6 +98,7 @@ class Session:
                             "entries for other devices will not match",
                             config.rules.regression.baseline_file, baseline.device, self.device_name)
         self.rules = Rules(config.rules, device=self.device_name, baseline=baseline, rank=self.rank)
+        self._cpu_wait = CpuWait()
         steps = config.steps
         self.recorder = Recorder(
             self.devices, every_n_steps=config.sampling.every_n_steps,
@@ -154,6 +156,7 @@ class Session:
         self.capture.uninstall_tap()
         self.devices.close()
         self.resolver.stop()
+        self._cpu_wait.close()
         if self._server is not None:
             self._server.close()
             self._server = None
@@ -165,6 +168,13 @@ class Session:
         self.recorder.boundary("optimizer")
 
     def _on_step(self, closed: ClosedStep) -> None:
+        # Host-clock timings carry every preemption: read, at the boundary, how long the
+        # process waited for a CPU, so the rules can tell a busy machine from slow attention.
+        if closed.calls and closed.calls[0].timer.kind == "cpu":
+            try:
+                closed.cpu_wait = self._cpu_wait.read()
+            except Exception as e:
+                self._error("cpu wait", e)
         self.resolver.submit(closed)
         if not self.capture.hf_wrapped:
             try:
@@ -184,6 +194,7 @@ class Session:
             flags = []
         self.metrics.baseline_seconds = self.rules.baseline_seconds
         self.metrics.regression_ratio = self.rules.regression_ratio
+        self.metrics.contended_steps = dict(self.rules.contended_steps)
         self.sinks.emit(report)
         self.sinks.flags(flags)
 

@@ -251,9 +251,19 @@ def test_float_keys_accept_integers_and_store_floats():
             "got 3.7",
         ),
         (
-            "rules.backward_forward_ratio.host_median_steps",
+            "rules.backward_forward_ratio.host_window_steps",
             0,
-            "rules.backward_forward_ratio.host_median_steps must be an integer >= 1, got 0",
+            "rules.backward_forward_ratio.host_window_steps must be an integer >= 1, got 0",
+        ),
+        (
+            "rules.backward_forward_ratio.max_cpu_wait",
+            1.5,
+            "rules.backward_forward_ratio.max_cpu_wait must be a number 0..1, got 1.5",
+        ),
+        (
+            "rules.regression.max_cpu_wait",
+            -0.1,
+            "rules.regression.max_cpu_wait must be a number 0..1, got -0.1",
         ),
         (
             "rules.regression.sustain_seconds",
@@ -630,7 +640,7 @@ def test_config_keys_list_every_leaf_with_its_default():
     assert keys["exporter.port"] == 9464
     assert keys["rules.hang.timeout_seconds"] == 300.0
     assert keys["rules.regression.min_increase_seconds"] == 0.0005
-    assert len(keys) == 46
+    assert len(keys) == 48
     assert keys["native"] == "auto"
 
 

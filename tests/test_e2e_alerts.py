@@ -229,7 +229,9 @@ class Block(nn.Module):
 
 model = nn.Sequential(nn.Embedding(VOCAB, E), *[Block() for _ in range(LAYERS)], nn.Linear(E, VOCAB))
 opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-session = fadiag.attach(port=port, per_site=True)
+# The alert pipeline needs its regression baseline even on a busy CI machine: every step is
+# compared (the contended-step gate has its own tests in tests/test_host.py).
+session = fadiag.attach(port=port, per_site=True, **{"rules.regression.max_cpu_wait": 1.0})
 with open(ready_file + ".tmp", "w") as f:
     f.write(str(session.port))
 os.replace(ready_file + ".tmp", ready_file)

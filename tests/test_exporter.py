@@ -70,7 +70,9 @@ def test_a_scrape_after_five_steps_holds_every_contract_metric():
 
 
 def test_the_regression_ratio_is_served_once_a_baseline_exists():
-    s = fadiag.attach(port=0, **{"rules.regression.warmup_steps": 1, "rules.regression.window": 3})
+    # Every step compared (max_cpu_wait 1), so a busy machine leaves the baseline to form.
+    s = fadiag.attach(port=0, **{"rules.regression.warmup_steps": 1, "rules.regression.window": 3,
+                                 "rules.regression.max_cpu_wait": 1.0})
     train(GPT(layers=2), steps=3)
     assert s.flush(10)
     fams = families(scrape(s.port))

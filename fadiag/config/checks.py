@@ -1,8 +1,8 @@
-"""What a configuration value must be: each key's `Check`, the phrase its errors use and the test.
+"""What a configuration value must be, and the validation every config class runs.
 
-`_schema(cls)` gives each field of a config class its Check (or its nested section's class); the
-schema's validation (schema.py) and the loader, which reports every problem of a file at once,
-both read them.
+Each key's `Check` says what it accepts and how an error phrases it; `_validate()` (called by each
+section's `__post_init__`) raises a `ConfigError` naming the dotted key, read from the root that
+schema.py registers. The loader reuses the same checks to report every problem of a file at once.
 """
 
 from __future__ import annotations
@@ -14,8 +14,10 @@ import re
 import reprlib
 import sys
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any, NamedTuple
+
+from ..errors import ConfigError
 
 
 class Check(NamedTuple):
@@ -118,3 +120,69 @@ def _schema(cls: type) -> dict[str, Check | type]:
         else:
             schema[f.name] = _BY_TYPE[hint]
     return schema
+
+
+_root: list[type] = []
+"""The schema's root, whose fields are the top-level keys (schema.py registers its Config)."""
+
+
+def set_root(cls: type) -> None:
+    """Make `cls` the root every dotted key is read from; schema.py calls it once, after Config."""
+    _root[:] = [cls]
+    _prefixes.cache_clear()
+
+
+@functools.cache
+def _prefixes() -> dict[type, str]:
+    """Each config class's dotted prefix: "" for Config, "rules.hang." for HangRuleConfig."""
+    (root,) = _root
+    prefixes: dict[type, str] = {root: ""}
+    todo: list[type] = [root]
+    while todo:
+        cls = todo.pop()
+        for name, spec in _schema(cls).items():
+            if isinstance(spec, type):
+                assert spec not in prefixes, f"{spec.__name__} appears twice in the schema"
+                prefixes[spec] = f"{prefixes[cls]}{name}."
+                todo.append(spec)
+    return prefixes
+
+
+def _problems(
+    cls: type, given: Mapping[str, Any], effective: Mapping[str, Any]
+) -> Iterator[tuple[str, str]]:
+    """(field name, reason) for each bad leaf in `given` and each bad combination in `effective`."""
+    schema = _schema(cls)
+    bad = set()
+    for name, value in given.items():
+        check = schema[name]
+        if isinstance(check, Check) and not check.accepts(value):
+            bad.add(name)
+            yield name, f"must be {check.expected}, got {_REPR.repr(value)}"
+        elif isinstance(check, Check) and check.entry is not None:
+            for key, item in value.items():
+                if not check.entry.accepts(item):
+                    bad.add(name)
+                    yield f"{name}.{key}", f"must be {check.entry.expected}, got {_REPR.repr(item)}"
+    for a, b in getattr(cls, "_together", ()):
+        if a in bad or b in bad or (effective[a] is None) == (effective[b] is None):
+            continue
+        have, lack = (a, b) if effective[b] is None else (b, a)
+        yield have, f"is set but {_prefixes()[cls]}{lack} is not; set both or neither"
+
+
+def _validate(obj: Any) -> None:
+    cls: type = type(obj)
+    prefix = _prefixes()[cls]
+    values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
+    for name, reason in _problems(cls, values, values):
+        raise ConfigError(f"{prefix}{name} {reason}")
+    for name, spec in _schema(cls).items():
+        value = values[name]
+        if isinstance(spec, type) and not isinstance(value, spec):
+            raise ConfigError(
+                f"{prefix}{name} must be of type {spec.__name__}, got {_REPR.repr(value)}; "
+                "load_config() builds one from a mapping"
+            )
+        if _is_int(value) and _hints(cls)[name] is float:
+            object.__setattr__(obj, name, float(value))  # floats accept ints, and store floats

@@ -9,8 +9,8 @@ import difflib
 import functools
 from typing import Any, NamedTuple
 
-from .checks import Check, _schema
-from .schema import Config, _prefixes
+from .checks import Check, _prefixes, _schema
+from .schema import Config
 
 
 @functools.cache

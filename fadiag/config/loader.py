@@ -17,9 +17,9 @@ from typing import Any, NamedTuple
 import yaml
 
 from ..errors import BaselineError, ConfigError
-from .checks import _REPR, Check, _schema
+from .checks import _REPR, Check, _prefixes, _problems, _schema
 from .keys import _defaults, _suggest
-from .schema import Config, _prefixes, _problems
+from .schema import Config
 
 # --- loading ----------------------------------------------------------------------------------
 

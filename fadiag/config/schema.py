@@ -8,23 +8,18 @@ overrides.
 from __future__ import annotations
 
 import dataclasses
-import functools
-from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
-from ..errors import ConfigError
 from .checks import (
-    _REPR,
     Check,
-    _hints,
     _integer,
     _is_host,
-    _is_int,
     _mapping_of,
     _number,
     _one_of,
-    _schema,
+    _validate,
+    set_root,
 )
 
 
@@ -95,7 +90,8 @@ class RatioRuleConfig:
         "per_impl": _mapping_of("impl names to numbers > 0", _number(above=0)),
         "min_forward_seconds": _number(lo=0),
         "warmup_steps": _integer(0),
-        "host_median_steps": _integer(1),
+        "host_window_steps": _integer(1),
+        "max_cpu_wait": _number(lo=0, hi=1),
     }
 
     enabled: bool = True
@@ -110,9 +106,18 @@ class RatioRuleConfig:
     warmup_steps: int = 3
     """Measured steps after attach() that are not judged (cold caches, kernel plans, autotuning).
     A call that learned its signature (the first of each shape) is never judged."""
-    host_median_steps: int = 9
-    """Host-clock timings (CPU) are judged on the median of a site's last this-many steps, once
-    it has that many: the host clock counts every preemption, and one step can read 30x."""
+    host_window_steps: int = 9
+    """Host-clock timings (CPU) are judged on a site's fastest backward over its fastest forward
+    in its last this-many steps, once it has that many: the host clock counts every preemption
+    (in scheduler slices of milliseconds, so one step can read 30x, and beside a busy process
+    most backward calls are stretched), and a preemption only ever adds time; a really slow
+    backward is slow in every step."""
+    max_cpu_wait: float = 0.5
+    """Host-clock (CPU) steps in which the process's threads spent more than this share of their
+    runnable time waiting for a CPU (Linux's schedstat) are not judged: past half, a two-thread
+    backward waits at every barrier and even its fastest call of a window measures the machine
+    (a healthy 2x kernel read 150-300x at 0.83). Counted in fadiag_contended_steps_total and
+    said once in the log. 1 judges every step."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -148,6 +153,7 @@ class RegressionRuleConfig:
         "sustain_seconds": _number(lo=0),
         "warmup_steps": _integer(0),
         "window": _integer(1),
+        "max_cpu_wait": _number(lo=0, hi=1),
     }
 
     enabled: bool = True
@@ -170,6 +176,13 @@ class RegressionRuleConfig:
     """Steps after the warm-up whose median becomes the baseline (then fixed for the run)."""
     baseline_file: str | None = None
     """A baseline written by `fadiag baseline save`; replaces the rolling baseline where it matches."""
+    max_cpu_wait: float = 0.1
+    """Host-clock (CPU) steps in which the process's threads spent more than this share of their
+    runnable time waiting for a CPU (another process holds the cores: Linux's schedstat) are
+    contended: neither compared nor learned into the rolling baseline (an impl switch is still
+    judged), since on the host clock a busier machine reads as slower attention. Counted in
+    fadiag_contended_steps_total and said once in the log. An idle machine reads below 0.02,
+    one busy process beside a two-thread run about 0.3. 1 compares every step."""
 
     def __post_init__(self) -> None:
         _validate(self)
@@ -319,58 +332,4 @@ class Config:
         return dataclasses.asdict(self)
 
 
-# --- validation (the checks themselves are in checks.py) ------------------------------------
-
-@functools.cache
-def _prefixes() -> dict[type, str]:
-    """Each config class's dotted prefix: "" for Config, "rules.hang." for HangRuleConfig."""
-    prefixes: dict[type, str] = {Config: ""}
-    todo: list[type] = [Config]
-    while todo:
-        cls = todo.pop()
-        for name, spec in _schema(cls).items():
-            if isinstance(spec, type):
-                assert spec not in prefixes, f"{spec.__name__} appears twice in the schema"
-                prefixes[spec] = f"{prefixes[cls]}{name}."
-                todo.append(spec)
-    return prefixes
-
-
-def _problems(
-    cls: type, given: Mapping[str, Any], effective: Mapping[str, Any]
-) -> Iterator[tuple[str, str]]:
-    """(field name, reason) for each bad leaf in `given` and each bad combination in `effective`."""
-    schema = _schema(cls)
-    bad = set()
-    for name, value in given.items():
-        check = schema[name]
-        if isinstance(check, Check) and not check.accepts(value):
-            bad.add(name)
-            yield name, f"must be {check.expected}, got {_REPR.repr(value)}"
-        elif isinstance(check, Check) and check.entry is not None:
-            for key, item in value.items():
-                if not check.entry.accepts(item):
-                    bad.add(name)
-                    yield f"{name}.{key}", f"must be {check.entry.expected}, got {_REPR.repr(item)}"
-    for a, b in getattr(cls, "_together", ()):
-        if a in bad or b in bad or (effective[a] is None) == (effective[b] is None):
-            continue
-        have, lack = (a, b) if effective[b] is None else (b, a)
-        yield have, f"is set but {_prefixes()[cls]}{lack} is not; set both or neither"
-
-
-def _validate(obj: Any) -> None:
-    cls: type = type(obj)
-    prefix = _prefixes()[cls]
-    values = {f.name: getattr(obj, f.name) for f in dataclasses.fields(obj)}
-    for name, reason in _problems(cls, values, values):
-        raise ConfigError(f"{prefix}{name} {reason}")
-    for name, spec in _schema(cls).items():
-        value = values[name]
-        if isinstance(spec, type) and not isinstance(value, spec):
-            raise ConfigError(
-                f"{prefix}{name} must be of type {spec.__name__}, got {_REPR.repr(value)}; "
-                "load_config() builds one from a mapping"
-            )
-        if _is_int(value) and _hints(cls)[name] is float:
-            object.__setattr__(obj, name, float(value))  # floats accept ints, and store floats
+set_root(Config)

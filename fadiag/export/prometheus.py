@@ -100,6 +100,7 @@ class Metrics(Sink):
         self._steps = 0
         self.baseline_seconds: float | None = None
         self.regression_ratio: float | None = None
+        self.contended_steps: dict[str, int] = {}
         self.oldest_inflight_seconds = 0.0
         self.errors = 0
         if registry is not None:
@@ -205,6 +206,14 @@ class Metrics(Sink):
                 g.add_metric([r, rule, severity], 1.0 if severity in active[rule] else 0.0)
         yield c
         yield g
+        c = CounterMetricFamily("fadiag_contended_steps",
+                                "Host-clock steps a timing rule did not judge, by rule: the "
+                                "process's threads waited for a CPU more than the rule's "
+                                "max_cpu_wait of their runnable time (the machine was "
+                                "oversubscribed).", labels=["rank", "rule"])
+        for rule in ("backward_forward_ratio", "regression"):
+            c.add_metric([r, rule], self.contended_steps.get(rule, 0))
+        yield c
         c = CounterMetricFamily("fadiag_internal_errors", "Errors inside fadiag (training unaffected).",
                                 labels=["rank"])
         c.add_metric([r], self.errors)
@@ -241,6 +250,11 @@ class Metrics(Sink):
                              "peak in the step; on CPU the process's resident set size (RSS, "
                              "sampled at most every 0.5 s), which is not a peak.", r,
                              last.step_peak_bytes)
+            if last.cpu_wait is not None:
+                yield _gauge("fadiag_host_cpu_wait_ratio",
+                             "Host-clock runs: the share of their runnable time the process's "
+                             "threads spent waiting for a CPU, last resolved step.", r,
+                             last.cpu_wait)
             yield _gauge("fadiag_last_step_timestamp_seconds",
                          "Unix time the last resolved step ended.", r, last.wall_time)
         if self.baseline_seconds is not None:

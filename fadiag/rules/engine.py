@@ -55,6 +55,10 @@ class Rules:
         self._over: deque[bool] = deque(maxlen=max(1, cfg.regression.consecutive))
         self._over_since: float | None = None
         self._baseline_warned = False
+        self.contended_steps = {"backward_forward_ratio": 0, "regression": 0}
+        """Host-clock steps a timing rule did not judge, by rule: the process's threads waited
+        for a CPU more than the rule's max_cpu_wait of their runnable time."""
+        self._contended_warned: set[str] = set()
         # (observed / expected, observed - expected - allowed) of the last three judged steps:
         # ratios, so steps of different keys (shapes a run alternates between) compare.
         self._recent: deque[tuple[float, float]] = deque(maxlen=3)
@@ -108,38 +112,59 @@ class Rules:
                             severity=old.severity, band=old.band))
         return out
 
-    def _judged_ratio(self, key: object, value: float | None, host: bool) -> float | None:
-        """The ratio the rule judges: the step's own, or on host-clock timings the median of the
-        key's last `host_median_steps` steps (None until it has that many)."""
+    def _judged_ratio(self, key: object, forward: float, backward: float,
+                      host: bool) -> float | None:
+        """The ratio the rule judges: the step's own, or on host-clock timings the fastest
+        backward over the fastest forward of the key's last `host_window_steps` steps (None until
+        it has that many).
+
+        A preemption only ever adds time, in scheduler slices of milliseconds: beside a busy
+        process most of a two-thread kernel's backward calls wait at a barrier for a preempted
+        thread (the median of 9 steps read 2.6-4x for a healthy 2x kernel), while some run
+        undisturbed. The fastest call is the closest to what the kernel costs (timeit's rule);
+        a backward that really is slow is slow in every step."""
+        value = ratio(backward, forward)
         if value is None or not host:
             return value
-        n = self.cfg.backward_forward_ratio.host_median_steps
+        n = self.cfg.backward_forward_ratio.host_window_steps
         recent = self._host.get(key)
         if recent is None:
             recent = self._host[key] = deque(maxlen=n)
-        recent.append(value)
-        return statistics.median(recent) if len(recent) == n else None
+        recent.append((forward, backward))
+        if len(recent) < n:
+            return None
+        return min(b for _, b in recent) / min(f for f, _ in recent)
 
     def _ratio(self, report: StepReport, sites: list[SiteSummary]) -> dict[tuple[str, str], Flag]:
         cfg = self.cfg.backward_forward_ratio
         out: dict[tuple[str, str], Flag] = {}
         if self._evaluated <= cfg.warmup_steps:
             return out
+        wait = report.cpu_wait
+        if (wait is not None and wait > cfg.max_cpu_wait
+                and any(s.device == "cpu" for s in sites)):
+            return self._contended("backward_forward_ratio", report.step, wait, cfg.max_cpu_wait)
         judged: list[tuple[SiteSummary, float, float]] = []  # (site, judged ratio, threshold)
         for s in sites:
             if s.forward_seconds < cfg.min_forward_seconds:
                 continue
-            r = self._judged_ratio((s.site, s.impl, s.shape), s.ratio, s.device == "cpu")
+            r = self._judged_ratio((s.site, s.impl, s.shape), s.forward_seconds,
+                                   s.backward_seconds, s.device == "cpu")
             if r is not None:
                 judged.append((s, r, cfg.threshold_for(s.impl)))
         over = [(s, r, t) for s, r, t in judged if r > t]
         fwd = sum(s.forward_seconds for s in sites)
         host = any(s.device == "cpu" for s in sites)
-        total = self._judged_ratio(TOTAL, ratio(sum(s.backward_seconds for s in sites), fwd), host)
+        total = self._judged_ratio(TOTAL, fwd, sum(s.backward_seconds for s in sites), host)
         # The step as a whole is judged against the most lenient threshold of its impls: a step
         # over it has at least one site over its own.
         line = max((t for _, _, t in judged), default=cfg.threshold)
-        median = f" (median of the last {cfg.host_median_steps} steps)" if host else ""
+        median = ""
+        if host:
+            wait = report.cpu_wait
+            busy = (f"; the process waited for a CPU {wait:.0%} of the time" if wait is not None
+                    and wait > self.cfg.regression.max_cpu_wait else "")
+            median = f" (fastest of the last {cfg.host_window_steps} steps{busy})"
         if total is not None and total > line and fwd >= cfg.min_forward_seconds and over:
             s, r, _ = max(over, key=lambda x: x[1])
             bands = [band_for(x, self.device) for x, y, _ in over]
@@ -189,6 +214,12 @@ class Rules:
         self.regression_ratio = self.baseline_seconds = None
         if self._evaluated <= cfg.warmup_steps or not sites:
             return self._calm_regression()
+        # On the host clock a busier machine reads as slower attention: a step whose process
+        # waited for its CPUs is neither compared nor learned, only checked for an impl switch.
+        wait = report.cpu_wait
+        contended = (wait is not None and wait > cfg.max_cpu_wait
+                     and any(s.device == "cpu" for s in sites))
+        limit = cfg.max_cpu_wait
         observed = sum(s.forward_seconds + s.backward_seconds for s in sites)
         expected: float | None = None
         spread = 0.0
@@ -205,6 +236,8 @@ class Rules:
             key = frozenset((s.site, s.shape, s.dtype) for s in sites)
             frozen = self._frozen.get(key)
             if frozen is None:
+                if contended:
+                    return self._contended("regression", report.step, wait, limit)
                 warm = self._warm.setdefault(key, [])
                 warm.append((observed, {s.site: s.impl for s in sites}))
                 if len(warm) >= cfg.window:
@@ -225,6 +258,8 @@ class Rules:
         self.regression_ratio = observed / expected if expected > 0.0 else None
         if self.regression_ratio is None:
             return self._calm_regression()
+        if contended and not changes:
+            return self._contended("regression", report.step, wait, limit)
         # A median of the last three steps: one slow step (a GC pause, a neighbour's burst) is
         # not a regression; a real slowdown lifts the median from its second step on.
         self._recent.append((self.regression_ratio,
@@ -265,6 +300,20 @@ class Rules:
         if ("regression", TOTAL) in self.active and over:
             return {("regression", TOTAL): self.active[("regression", TOTAL)]}
         return {}
+
+    def _contended(self, rule: str, step: int, wait: float | None,
+                   limit: float) -> dict[tuple[str, str], Flag]:
+        """A step the rule does not judge for its times: counted, said once per rule, and the
+        rule's open episodes kept open (the step is evidence neither for them nor against)."""
+        self.contended_steps[rule] += 1
+        if rule not in self._contended_warned:
+            self._contended_warned.add(rule)
+            log.warning("fadiag: step %d rank %d: the process's threads waited for a CPU %.0f%% "
+                        "of their runnable time (rules.%s.max_cpu_wait: %.0f%%): the machine is "
+                        "oversubscribed, and on the host clock that reads as slow attention; %s "
+                        "does not judge such steps (counted in fadiag_contended_steps_total)",
+                        step, self.rank, 100 * (wait or 0.0), rule, 100 * limit, rule)
+        return {k: f for k, f in self.active.items() if k[0] == rule}
 
     def _calm_regression(self) -> dict[tuple[str, str], Flag]:
         self._over.append(False)

@@ -25,7 +25,7 @@ log = logging.getLogger("fadiag")
 class ClosedStep:
     """A step's calls, handed to the resolver."""
 
-    __slots__ = ("index", "calls", "wall_time", "closed", "device", "unmeasured")
+    __slots__ = ("index", "calls", "wall_time", "closed", "device", "unmeasured", "cpu_wait")
 
     def __init__(self, index: int, calls: list[Call], device: int | None,
                  unmeasured: dict[str, int] | None = None):
@@ -38,6 +38,8 @@ class ClosedStep:
         self.device = device
         """The training thread's current device, for the step's allocator figures: the resolver
         thread's own current device is device 0 (CUDA's current device is per thread)."""
+        self.cpu_wait: float | None = None
+        """Host-clock steps: the process's share of runnable time spent waiting for a CPU."""
 
 
 class StepBoundaries:

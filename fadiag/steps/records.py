@@ -171,6 +171,10 @@ class StepReport(Figures):
     unmeasured: dict[str, int] = field(default_factory=dict)
     """Attention calls of this step that fadiag saw and did not measure, by reason
     (``cuda_graph``: replayed inside a CUDA graph; ``sampling``; ``per_step_cap``; …)."""
+    cpu_wait: float | None = None
+    """Host-clock steps: the share of their runnable time the process's threads spent waiting for
+    a CPU since the previous measured step (0.3: another process held a core a third of the
+    time); None where it is not read (device clocks) or not known (no Linux schedstat)."""
 
     @property
     def attention_seconds(self) -> float:
@@ -189,6 +193,7 @@ class StepReport(Figures):
             "backward_seconds": self.backward_seconds,
             "recompute_seconds": self.recompute_seconds,
             "unmeasured": dict(self.unmeasured),
+            "cpu_wait": self.cpu_wait,
             "ratio": self.ratio,
             "kept_bytes": self.kept_bytes,
             "standard_bytes": self.standard_bytes,
@@ -215,6 +220,7 @@ class StepReport(Figures):
             wall_time=float(d.get("wall_time", 0.0)),
             recompute_seconds=float(d.get("recompute_seconds", 0.0)),
             unmeasured={str(k): int(v) for k, v in (d.get("unmeasured") or {}).items()},
+            cpu_wait=d.get("cpu_wait"),
         )
 
 

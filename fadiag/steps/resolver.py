@@ -226,7 +226,7 @@ class Resolver:
             step=step.index, forward_seconds=fwd, backward_seconds=bwd, kept_bytes=kept,
             standard_bytes=standard, peak_bytes=peak, step_peak_bytes=self._step_peak(step),
             calls=records, rank=self.rank, wall_time=step.wall_time, recompute_seconds=recompute,
-            unmeasured=step.unmeasured)
+            unmeasured=step.unmeasured, cpu_wait=step.cpu_wait)
         self._on_report(report)
         self.history.append(report)
 

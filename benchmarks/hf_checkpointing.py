@@ -1,0 +1,85 @@
+"""A 16-layer HF Llama on a CUDA GPU with and without non-reentrant gradient checkpointing: fadiag's
+per-site backward/forward ratio in both, and the largest per-site difference.
+
+Needs `transformers`. Prints one JSON object.
+
+    python benchmarks/hf_checkpointing.py [--steps 8] [--batch 2] [--seq 2048]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import fadiag  # noqa: E402
+
+
+def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16,
+                      num_attention_heads=16, num_key_value_heads=4, vocab_size=32000,
+                      max_position_embeddings=args.seq, attn_implementation="sdpa")
+    model = LlamaForCausalLM(cfg).cuda().to(torch.bfloat16)
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
+    tokens = torch.randint(0, 32000, (args.batch, args.seq), device="cuda")
+    session = fadiag.attach(**{"exporter.enabled": False})
+    try:
+        for _ in range(args.steps):
+            model(input_ids=tokens, labels=tokens).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert session.flush(60)
+        per_site: dict[str, list[float]] = {}
+        calls = recomputed = 0
+        for r in session.history()[3:]:
+            calls += len(r.calls)
+            recomputed += sum(c.recompute for c in r.calls)
+            for s in r.sites():
+                if s.ratio is not None:
+                    per_site.setdefault(s.site, []).append(s.ratio)
+        flags = [(f.rule, f.severity, round(f.value, 2)) for r in session.history() for f in r.flags]
+    finally:
+        fadiag.detach()
+        del model, opt
+        torch.cuda.empty_cache()
+    medians = {k: statistics.median(v) for k, v in per_site.items()}
+    return {"sites": len(medians), "calls_per_step": calls / max(1, len(session.history()[3:])),
+            "recomputed_per_step": recomputed / max(1, len(session.history()[3:])),
+            "ratio_min": min(medians.values()), "ratio_max": max(medians.values()),
+            "per_site": medians, "flags": flags[:20]}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--batch", type=int, default=2)
+    p.add_argument("--seq", type=int, default=2048)
+    args = p.parse_args()
+    try:
+        import transformers
+    except ImportError:
+        sys.exit("benchmarks/hf_checkpointing.py needs transformers")
+    plain, ckpt = ratios(args, False), ratios(args, True)
+    diffs = {k: abs(ckpt["per_site"][k] / v - 1) for k, v in plain["per_site"].items() if k in ckpt["per_site"]}
+    print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                      "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
+                      "command": " ".join(sys.argv), "plain": plain, "non_reentrant": ckpt,
+                      "max_rel_diff": max(diffs.values()) if diffs else None,
+                      "sites_only_in_one": sorted(set(plain["per_site"]) ^ set(ckpt["per_site"]))},
+                     indent=1))
+
+
+if __name__ == "__main__":
+    main()
