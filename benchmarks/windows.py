@@ -80,6 +80,32 @@ def calls_of(session: fadiag.Session, steps: int) -> list[dict[str, Any]]:
     return out
 
 
+def rel(rows: list[dict[str, Any]], a: str, b: str) -> float | None:
+    """The median of row[a] / row[b] - 1 over the rows."""
+    return statistics.median(r[a] / r[b] - 1.0 for r in rows if r[b] > 0) if rows else None
+
+
+def measured(session: fadiag.Session, step, warm: int) -> dict[str, Any]:
+    """`warm` steps, then two profiled ones; detaches. The calls of the profiled steps side by side
+    with CUPTI's ops, the GPU's busy fraction, the step time and each site's median ratio."""
+    try:
+        for _ in range(warm):
+            step()
+        prof, wall = profiled(step, 2)
+        calls = calls_of(session, 2)
+        ratios: dict[str, list[float]] = {}
+        for r in session.history()[-2:]:
+            for s in r.sites():
+                if s.ratio is not None:
+                    ratios.setdefault(s.site, []).append(s.ratio)
+    finally:
+        fadiag.detach()
+    out = side_by_side(calls, sdpa_ops(prof))
+    out.update({"gpu_busy_fraction": busy_fraction(prof, wall), "step_ms": wall / 2 * 1e3,
+                "site_ratios": {k: statistics.median(v) for k, v in ratios.items()}})
+    return out
+
+
 def side_by_side(calls: list[dict[str, Any]], ops: list[dict[str, Any]]) -> dict[str, Any]:
     """Forward calls against forward ops, and backward against backward ops, both in order."""
     fwd_ops = [o for o in ops if not o["op"].endswith("_backward")]
@@ -94,9 +120,6 @@ def side_by_side(calls: list[dict[str, Any]], ops: list[dict[str, Any]]) -> dict
     bwd_calls = [c for s in sorted(by_step) for c in reversed(by_step[s])]
     brows = [{"site": c["site"], "fadiag_backward_ms": c["backward_ms"], "cupti_backward_ms": o["device_ms"]}
              for c, o in zip(bwd_calls, bwd_ops)]
-
-    def rel(rs, a, b):
-        return statistics.median(r[a] / r[b] - 1.0 for r in rs if r[b] > 0) if rs else None
 
     return {"forward": rows, "backward": brows,
             "forward_vs_cupti_median": rel(rows, "fadiag_forward_ms", "cupti_forward_ms"),
@@ -117,22 +140,8 @@ def checkpointing(layers: int, dim: int, heads: int, batch: int, seq: int, mode:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    try:
-        for _ in range(4):
-            step()
-        prof, wall = profiled(step, 2)
-        calls = calls_of(session, 2)
-        ratios: dict[str, list[float]] = {}
-        for r in session.history()[-2:]:
-            for s in r.sites():
-                if s.ratio is not None:
-                    ratios.setdefault(s.site, []).append(s.ratio)
-    finally:
-        fadiag.detach()
-    out = side_by_side(calls, sdpa_ops(prof))
-    out.update({"mode": mode or "none", "size": {"layers": layers, "dim": dim, "heads": heads, "batch": batch, "seq": seq},
-                "gpu_busy_fraction": busy_fraction(prof, wall), "step_ms": wall / 2 * 1e3,
-                "site_ratios": {k: statistics.median(v) for k, v in ratios.items()}})
+    out = measured(session, step, 4)
+    out.update({"mode": mode or "none", "size": {"layers": layers, "dim": dim, "heads": heads, "batch": batch, "seq": seq}})
     return out
 
 
@@ -143,15 +152,12 @@ def compiled(batch: int) -> dict[str, Any]:
     torch._dynamo.reset()
     session = fadiag.attach(**{"exporter.enabled": False, "tap": "on"})
     try:
-        step = cm.make(args, None)
-        for _ in range(5):
-            step()
-        prof, wall = profiled(step, 2)
-        calls = calls_of(session, 2)
-    finally:
+        step = cm.make(args, None)  # compiled after attach, as benchmarks/compiled.py does
+    except BaseException:
         fadiag.detach()
-    out = side_by_side(calls, sdpa_ops(prof))
-    out.update({"batch": batch, "gpu_busy_fraction": busy_fraction(prof, wall), "step_ms": wall / 2 * 1e3})
+        raise
+    out = measured(session, step, 5)
+    out["batch"] = batch
     return out
 
 
@@ -176,24 +182,12 @@ def hf_llama(checkpointing: bool) -> dict[str, Any]:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    try:
-        for _ in range(4):
-            step()
-        prof, wall = profiled(step, 2)
-        calls = calls_of(session, 2)
-    finally:
-        fadiag.detach()
-    out = side_by_side(calls, sdpa_ops(prof))
+    out = measured(session, step, 4)
     first = [r for r in out["forward"] if not r["recompute"]]
     again = [r for r in out["forward"] if r["recompute"]]
-    out.update({"checkpointing": checkpointing, "gpu_busy_fraction": busy_fraction(prof, wall),
-                "step_ms": wall / 2 * 1e3,
-                "first_forward_vs_cupti_median": statistics.median(
-                    r["fadiag_forward_ms"] / r["cupti_forward_ms"] - 1 for r in first) if first else None,
-                "recompute_forward_vs_cupti_median": statistics.median(
-                    r["fadiag_forward_ms"] / r["cupti_forward_ms"] - 1 for r in again) if again else None})
-    del model, opt
-    torch.cuda.empty_cache()
+    out.update({"checkpointing": checkpointing,
+                "first_forward_vs_cupti_median": rel(first, "fadiag_forward_ms", "cupti_forward_ms"),
+                "recompute_forward_vs_cupti_median": rel(again, "fadiag_forward_ms", "cupti_forward_ms")})
     return out
 
 
@@ -262,6 +256,7 @@ def main() -> None:
         result["hf"] = []
         for ck in (False, True):
             result["hf"].append(hf_llama(ck))
+            torch.cuda.empty_cache()  # the first model's blocks, before the second one's
             r = result["hf"][-1]
             print(json.dumps({k: r[k] for k in ("checkpointing", "gpu_busy_fraction", "step_ms",
                                                 "first_forward_vs_cupti_median", "recompute_forward_vs_cupti_median",
