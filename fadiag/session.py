@@ -107,7 +107,7 @@ class Session:
         self.resolver = Resolver(
             rank=self.rank, history=steps.history, open_calls=self.recorder.open_calls,
             on_report=self._on_report, on_tick=self._on_tick, on_error=self._error,
-            native_timers=lambda: self.devices.native_timers)
+            native_timers=lambda: self.devices.native_timers, tap=lambda: self.recorder.tap)
         self.capture = Interceptors(config, self.recorder, self._error)
 
     # ---- lifecycle -------------------------------------------------------------------------

@@ -51,6 +51,10 @@ class AttentionOp:
     """Fixed impl name; None: ask torch which SDPA backend ran (fadiag.capture.backends)."""
     output: Callable[[Any], Any] = field(default=lambda out: out)
     sdpa_like: bool = False
+    tap_times: bool = False
+    """Its call is one fused op and nothing of the caller's: once the dispatcher tap has seen that
+    op serve a signature, the tap times its calls (an `instrument()`'d Function is not: its
+    backward is the user's, whatever it does besides the fused op)."""
     quick: Callable[[tuple[Any, ...], dict[str, Any]], tuple[Any, Any, Any, Any]] | None = None
     """Optional cheap reader for the hot path: (q, k, v, what else tells calls apart);
     `read` then runs only on a call signature's first sighting."""

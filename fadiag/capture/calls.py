@@ -22,7 +22,7 @@ class Signature:
 
     __slots__ = ("op", "impl", "shape", "dtype", "causal", "dropout", "kv_heads", "layout",
                  "device", "standard_bytes", "kept_bytes", "peak_bytes", "fused_path",
-                 "fallback_reason", "interceptor", "forward_only")
+                 "fallback_reason", "interceptor", "forward_only", "tapped")
 
     def __init__(self, op: AttentionOp, info: CallInfo, impl: str, device: str):
         q = info.q
@@ -44,13 +44,16 @@ class Signature:
         self.fallback_reason: str | None = None
         self.interceptor = op.name
         self.forward_only = False
+        self.tapped = False
+        """The dispatcher tap saw its fused op: its later calls are the tap's to time (tap.py)."""
 
 
 class Call:
     """One measured call; its marks are filled in by the training and autograd threads."""
 
     __slots__ = ("sig", "site", "timer", "fwd0", "fwd1", "bwd0", "bwd1", "remaining", "host_ns",
-                 "recompute", "aborted", "mem0", "probe", "saved", "key", "info", "qkv", "extra")
+                 "recompute", "aborted", "mem0", "probe", "saved", "key", "info", "qkv", "extra",
+                 "link")
 
     def __init__(self, site: str, timer: Any, recompute: bool, key: Any, info: CallInfo | None,
                  qkv: tuple[Any, Any, Any]):
@@ -72,6 +75,8 @@ class Call:
         self.info = info
         self.qkv: tuple[Any, Any, Any] | None = qkv
         self.extra: Any = None  # AttentionOp.per_call's figures
+        self.link = 0
+        """Non-zero: the dispatcher tap times this call; its record carries this number."""
 
 
 def learn(call: Call, op: AttentionOp, info: CallInfo, node: Any) -> Signature:

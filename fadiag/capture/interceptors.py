@@ -122,7 +122,8 @@ class Interceptors:
             # HF's flex entry runs torch.compile(flex_attention) (plain flex only inside a graph).
             impl = "flash_attn" if "flash" in key else "flex" if key == "flex_attention" else key
             op = AttentionOp(name=f"transformers:{key}", config_key="transformers", targets=(),
-                             read=read_hf, impl=impl, output=first_tensor)
+                             read=read_hf, impl=impl, output=first_tensor,
+                             tap_times=impl == "flash_attn")
             self._patcher.replace_item(store, key, self.recorder.wrap(fn, op))
 
     def restore(self) -> None:
@@ -170,7 +171,9 @@ class Interceptors:
             self._tap_unavailable("the native extension was built without it (torch < 2.9)")
             return
         try:
-            tap = Tap(ext, self.config.steps.max_calls_per_step)
+            timers = {t.kind: t for t in self.recorder.devices.native_timers}
+            tap = Tap(ext, self.config.steps.max_calls_per_step,
+                      self.config.steps.record_no_grad, timers)
             tap.install()
         except Exception as e:
             self._on_error("tap install", e)
@@ -178,6 +181,7 @@ class Interceptors:
             return
         tap.set_measuring(self.recorder.measuring)
         self.recorder.tap = tap
+        self.recorder.tap_installed()
         self.tap_status = "installed"
 
     def _tap_unavailable(self, why: str) -> None:

@@ -244,6 +244,7 @@ OPS: tuple[AttentionOp, ...] = (
         read=read_sdpa,
         sdpa_like=True,
         quick=quick_sdpa,
+        tap_times=True,
     ),
     AttentionOp(
         name="flash_attn_func",
@@ -252,6 +253,7 @@ OPS: tuple[AttentionOp, ...] = (
         read=read_flash_attn,
         impl="flash_attn",
         output=first_tensor,
+        tap_times=True,
     ),
     AttentionOp(
         name="flash_attn_varlen_func",
@@ -261,6 +263,7 @@ OPS: tuple[AttentionOp, ...] = (
         read=read_flash_attn_varlen,
         impl="flash_attn",
         output=first_tensor,
+        tap_times=True,
     ),
 ) + tuple(
     AttentionOp(

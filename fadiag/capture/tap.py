@@ -2,8 +2,15 @@
 
 Compiled code calls the fused SDPA ops (and flash_attn's) through the dispatcher in both passes,
 where no Python wrapper runs. `_native/tap.cpp` wraps each op's registered kernel: two marks, a
-record, no Python per call. At each step boundary the recorder drains the records into calls
-like any other. Calls that fadiag's Python wrappers measure (eager code) pass through the tap.
+record, no Python per call. At each step boundary the training thread cuts the record log (one
+C++ swap); the resolver thread turns the cut into calls like any other.
+
+Eager calls reach the tap through fadiag's Python wrapper, which names their call site. Once a
+signature is learned and the tap saw its fused op, its calls are *linked*: the wrapper takes no
+marks and gives the call a link number, and the tap times the op's own kernel and its backward
+op, below autograd (so neither the wrapper's Python nor autograd's saved-tensor hooks, such as
+activation checkpointing's, fall inside the forward window). A signature's first call and calls
+no fused op serves (the math path) stay the wrapper's to time; the tap lets them pass.
 """
 
 from __future__ import annotations
@@ -29,6 +36,8 @@ SITE = "compiled"
 KEYS = ("CPU", "CUDA")
 """Backend keys wrapped. torch_npu's ops are not tapped (no Ascend hardware to check them on);
 on NPU the Python interceptors measure them in eager code."""
+_LATER_STEPS = 64
+"""Resolutions a linked record waits for its call before its marks are given back."""
 _MIN_TORCH = (2, 9)  # OperatorHandle::getComputedKernelForDispatchKey, the kernel a wrapper calls
 
 
@@ -138,20 +147,32 @@ class Tap:
 
         tap = Tap(native.load("cpu"), max_records=4096)
         tap.install()
-        ...                                          # compiled training
-        calls = tap.drain(Call, record_no_grad=False)  # at a step boundary: the step's calls
+        ...                                    # compiled training
+        batch = tap.cut()                      # at a step boundary (training thread)
+        calls = tap.calls(batch, Call, [])     # the step's calls (resolver thread)
         tap.uninstall()
     """
 
-    def __init__(self, extension: Any, max_records: int):
+    def __init__(self, extension: Any, max_records: int, record_no_grad: bool = False,
+                 timers: dict[str, NativeTimer] | None = None):
         cuda = bool(getattr(extension, "cuda", False))
-        self.timers = {"cpu": NativeTimer("cpu", extension)}
+        given = timers or {}
+        # The recorder's own native timers where it has them: linked calls and the recorder's
+        # C++ fast path then share one pool, whose backward count both read.
+        self.timers = {"cpu": given.get("cpu") or NativeTimer("cpu", extension)}
         if cuda:
-            self.timers["cuda"] = NativeTimer("cuda", extension, torch.cuda)
+            self.timers["cuda"] = given.get("cuda") or NativeTimer("cuda", extension, torch.cuda)
         self._tap = extension.Tap(self.timers["cpu"].pool(),
                                   self.timers["cuda"].pool() if cuda else None, max_records)
+        self.record_no_grad = record_no_grad
         self.enter = extension.Tap.enter
         self.exit = extension.Tap.exit
+        self.link: Any = extension.Tap.link
+        """Make the wrapper's current call the tap's to time; returns its link number."""
+        self.saw: Any = extension.Tap.saw
+        """Whether a tapped forward op ran inside the wrapper's current call."""
+        self.oldest_open_ns: Any = self._tap.oldest_open_ns
+        """Steady-clock ns of the oldest uncut record the device has not passed, or -1."""
         self._signatures: dict[Any, Signature] = {}
         self._patcher = Patcher()
         self._graph_calls: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
@@ -162,6 +183,13 @@ class Tap:
         """Attention calls replayed inside CUDA graphs (captured calls times replays)."""
         self.no_grad = 0
         """Forwards with no backward (evaluation), dropped unless steps.record_no_grad."""
+        self._later: dict[int, Any] = {}
+        """Linked records whose call is in a step not resolved yet, by link (resolver thread)."""
+        self._resolutions = 0
+        self._claimed_below = 0
+        self.unrecorded = 0
+        """Linked calls the tap has no record of (cut off by the per-step cap, an unreadable
+        argument, an error): not measured."""
         self.ops: list[str] = []
 
     def install(self) -> None:
@@ -183,14 +211,74 @@ class Tap:
         """Calls seen and not measured, by reason, since install (cumulative)."""
         c = dict(self._tap.counts())
         del c["captured"]  # counted per replay instead, as cuda_graph
+        del c["backwards"]
         c["cuda_graph"] = self.cuda_graph_calls
         c["no_grad"] = self.no_grad
+        c["unrecorded"] = self.unrecorded
         return c
+
+    def shares(self, timer: Any) -> bool:
+        """Whether the tap's marks for `timer`'s device are `timer`'s own (one pool)."""
+        return self.timers.get(timer.kind) is timer
+
+    def backward_starts(self) -> int:
+        """Backward ops the tap has timed (cumulative): the recorder's sign of a backward."""
+        return int(self._tap.counts()["backwards"])
 
     # ---- records -> calls ----------------------------------------------------------------------
 
-    def drain(self, call_class: Any, record_no_grad: bool) -> list[Any]:
-        """The calls recorded since the last drain, as the recorder's `Call`s, in forward order.
+    def cut(self) -> Any:
+        """The records since the last cut (a C++ batch), or None: the training thread's part."""
+        batch = self._tap.cut()
+        return batch if len(batch) else None
+
+    def calls(self, batch: Any, call_class: Any, linked: list[Any]) -> tuple[list[Any], int, int]:
+        """A cut's records as calls, on the resolver thread: (compiled code's calls, forwards
+        dropped as evaluation, linked calls left without a record).
+
+        A linked record fills in the marks of its call in `linked` (the wrapper's, with its site);
+        one whose call is in a later step is kept for it (steps closed together at one boundary,
+        as the micro-batches of a run without optimizer: the first takes the whole cut). A
+        linked call with no record is marked aborted and counted. The others become the
+        recorder's `Call`s, in forward order, as `_compiled` names them.
+        """
+        rows = batch.rows() if batch is not None else []
+        compiled = []
+        later = self._later
+        for r in rows:
+            if r[18]:
+                later[r[18]] = r
+            else:
+                compiled.append(r)
+        missing = 0
+        for call in linked:
+            r = later.pop(call.link, None)
+            if r is None:
+                call.aborted = True
+                missing += 1
+                continue
+            call.timer = self.timers["cuda" if r[17] else "cpu"]
+            call.fwd0, call.fwd1, call.bwd0, call.bwd1 = r[1], r[2], r[3], r[4]
+        self.unrecorded += missing
+        self._forget_later()
+        before = self.no_grad
+        out = self._compiled(compiled, call_class)
+        return out, self.no_grad - before, missing
+
+    def _forget_later(self) -> None:
+        """Linked records no call claimed in _LATER_STEPS resolutions (their call was cut off by
+        the step's cap, or raised): marks given back."""
+        self._resolutions += 1
+        if self._resolutions % _LATER_STEPS:
+            return
+        stale = [k for k in self._later if k <= self._claimed_below]
+        for k in stale:
+            r = self._later.pop(k)
+            self.timers["cuda" if r[17] else "cpu"].release(r[1], r[2], r[3], r[4])
+        self._claimed_below = max(self._later, default=self._claimed_below)
+
+    def _compiled(self, rows: list[Any], call_class: Any) -> list[Any]:
+        """Compiled code's records as the recorder's `Call`s, in forward order.
 
         Sites: `compiled#n`, n counting the forwards of each pass (micro-batch); a recomputation
         (activation checkpointing: a forward run inside the backward pass) takes the site of the
@@ -198,9 +286,9 @@ class Tap:
         backward of its own or of its recomputation ran without grad (evaluation): dropped unless
         steps.record_no_grad, and counted.
         """
-        rows = self._tap.drain()
         if not rows:
             return []
+        record_no_grad = self.record_no_grad
         forwards = collections.Counter(r[15] for r in rows if not r[14])
         seen: dict[int, int] = collections.Counter()
         replayed: dict[int, int] = collections.Counter()
@@ -220,7 +308,7 @@ class Tap:
         calls = []
         for phase, n, r in named:
             (op_i, f0, f1, b0, b1, shape, dv, kvh, dtype, device, _index, causal, dropout,
-             _scale, recompute, _, kept, cuda) = r
+             _scale, recompute, _, kept, cuda, _link) = r
             timer = self.timers["cuda" if cuda else "cpu"]
             if not recompute and (phase, n) not in backward_by_site and not record_no_grad:
                 self.no_grad += 1

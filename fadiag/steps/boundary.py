@@ -18,6 +18,7 @@ from ..capture.device import Devices
 from ..capture.sites import Sites
 
 _UNREAD = object()
+_RESOLVER_COUNTS = ("no_grad", "unrecorded")
 _UNSEEN_STEPS = 3  # optimizer steps without a C++ backward hook firing before Python's take over
 log = logging.getLogger("fadiag")
 
@@ -25,12 +26,17 @@ log = logging.getLogger("fadiag")
 class ClosedStep:
     """A step's calls, handed to the resolver."""
 
-    __slots__ = ("index", "calls", "wall_time", "closed", "device", "unmeasured", "cpu_wait")
+    __slots__ = ("index", "calls", "wall_time", "closed", "device", "unmeasured", "cpu_wait",
+                 "tap", "tap_batch")
 
     def __init__(self, index: int, calls: list[Call], device: int | None,
-                 unmeasured: dict[str, int] | None = None):
+                 unmeasured: dict[str, int] | None = None, tap: Any = None, tap_batch: Any = None):
         self.index = index
         self.calls = calls
+        self.tap = tap
+        self.tap_batch = tap_batch
+        """The dispatcher tap's records cut at this boundary: the resolver makes them calls
+        (`take_tap`), joining linked ones to their calls here."""
         self.unmeasured = unmeasured or {}
         """Attention calls of the step seen and not measured, by reason."""
         self.wall_time = time.time()
@@ -40,6 +46,20 @@ class ClosedStep:
         thread's own current device is device 0 (CUDA's current device is per thread)."""
         self.cpu_wait: float | None = None
         """Host-clock steps: the process's share of runnable time spent waiting for a CPU."""
+
+    def take_tap(self) -> None:
+        """On the resolver thread: the tap's records into this step's calls (once)."""
+        tap, batch, self.tap, self.tap_batch = self.tap, self.tap_batch, None, None
+        if tap is None:
+            return
+        linked = [c for c in self.calls if c.link]
+        if batch is None and not linked:
+            return
+        compiled, no_grad, unrecorded = tap.calls(batch, Call, linked)
+        self.calls.extend(compiled)
+        for reason, n in (("no_grad", no_grad), ("unrecorded", unrecorded)):
+            if n:
+                self.unmeasured[reason] = self.unmeasured.get(reason, 0) + n
 
 
 class StepBoundaries:
@@ -127,19 +147,22 @@ class StepBoundaries:
                 self.calls = merged + self.calls
                 self._phases = []
             tap = self.tap
-            if tap is not None:
-                self.calls.extend(tap.drain(Call, self.record_no_grad))
+            batch = tap.cut() if tap is not None else None
+            if batch is not None and not self.record_no_grad and not batch.trained():
+                tap.calls(batch, Call, [])  # evaluation only: counted as no_grad, marks back
+                batch = None
             # An optimizer step is a step (fadiag_steps_total) even with no attention measured;
             # so is a manual one whose attention all ran unmeasured (flex in a compiled graph).
             empty_step = self.measuring and (
                 source == "optimizer" or (source == "manual" and self._op_counted_since()))
-            if not self.calls_since_boundary and not self.calls and not empty_step:
+            if (not self.calls_since_boundary and not self.calls and batch is None
+                    and not empty_step):
                 self._run_pending()
                 return
             closed = None
-            if self.calls or empty_step:
+            if self.calls or batch is not None or empty_step:
                 closed = ClosedStep(self.step_index, self.calls, self._step_device(),
-                                    self._unmeasured_since())
+                                    self._unmeasured_since(), tap, batch)
             self.calls = []
             self.calls_since_boundary = 0
             self.sites.new_pass()
@@ -172,8 +195,13 @@ class StepBoundaries:
         return totals
 
     def _unmeasured_since(self) -> dict[str, int]:
-        """What unmeasured_totals() gained since the last boundary (reasons that moved)."""
+        """What unmeasured_totals() gained since the last boundary (reasons that moved). The
+        tap's records become calls on the resolver thread, which adds to the step what it drops
+        (ClosedStep.take_tap): those reasons are not read here."""
         totals = self.unmeasured_totals()
+        for reason in _RESOLVER_COUNTS:
+            if reason in totals:
+                totals[reason] = self._unmeasured_seen.get(reason, 0)
         before, self._unmeasured_seen = self._unmeasured_seen, totals
         return {k: v - before.get(k, 0) for k, v in totals.items() if v != before.get(k, 0)}
 
@@ -203,6 +231,8 @@ class StepBoundaries:
     def _step_device(self) -> int | None:
         """The current device of the step's accelerator, as this step's calls saw it."""
         timer = next((c.timer for c in self.calls if c.timer.kind != "cpu"), None)
+        if timer is None and self.tap is not None:  # compiled code's calls only
+            timer = self.tap.timers.get("cuda")
         try:
             return None if timer is None else self._current(timer)
         except Exception:  # the resolver then reads the current device's, as it would anyway
@@ -213,7 +243,10 @@ class StepBoundaries:
     def _native_backward_seen(self) -> bool:
         """Whether a native backward hook fired since the last look (they cannot set flags)."""
         seen = False
-        for t in self.devices.native_timers:
+        timers = self.devices.native_timers
+        if self.tap is not None:  # the tap's backward ops count there too (linked calls)
+            timers = timers + [t for t in self.tap.timers.values() if t not in timers]
+        for t in timers:
             n = t.backward_starts()
             if n != t.backward_starts_seen:
                 t.backward_starts_seen = n

@@ -161,8 +161,10 @@ class Recorder(StepBoundaries):
             recompute = grad and _graph_task_id() != -1
             if recompute and (self.in_backward > 0 or self._native_in_backward()):
                 return None  # inside a measured op's own backward: already timed there
-            if not recompute and (self.backward_seen or self._native_backward_seen()):
-                self._new_phase()
+            if not recompute:
+                native = self._native_backward_seen()  # always read: it keeps count
+                if self.backward_seen or native:
+                    self._new_phase()
             info: CallInfo | None = None
             if op.quick is not None:
                 q, k, v, extra = op.quick(args, kwargs)
@@ -185,6 +187,11 @@ class Recorder(StepBoundaries):
                 self._remember(op, args, kwargs, sig)
             call = Call(self._site(recompute), timer, recompute, key, info, (q, k, v))
             call.sig = sig
+            if sig is not None and sig.tapped and self._linkable(timer):
+                call.qkv = call.info = None
+                self.calls.append(call)
+                call.link = self.tap.link()  # the tap times it: no marks here
+                return call
             call.probe = sig is None and grad and _hooks_enabled()
             if op.per_call is not None:
                 call.extra = op.per_call(args, kwargs)
@@ -197,6 +204,17 @@ class Recorder(StepBoundaries):
             if calls and calls[-1].fwd0 is None:  # appended, and its start mark failed
                 calls.pop()
             return None
+
+    def _linkable(self, timer: Any) -> bool:
+        """Whether the tap can time a call measured on `timer`: it has `timer`'s pool, or
+        `timer` is Python's (the call then takes the tap's timer; nothing else shares its marks)."""
+        tap = self.tap
+        return tap is not None and (tap.shares(timer) or not getattr(timer, "native", False))
+
+    def tap_installed(self) -> None:
+        """The tap is in: learn each signature again, so that the tap times what it can."""
+        self.signatures.clear()
+        self._fast = self._fast_timer = self._fast_op = None
 
     def _remember(self, op: AttentionOp, args: tuple[Any, ...], kwargs: dict[str, Any],
                   sig: Signature) -> None:
@@ -219,7 +237,9 @@ class Recorder(StepBoundaries):
                 sites.internal, sites.locations, sites.counts, Call, 2, self.max_calls,
                 _graph_task_id)
         if self._fast is not None:
-            self._fast.remember(args, kwargs, sig)
+            tap = self.tap
+            self._fast.remember(args, kwargs, sig,
+                                bool(sig.tapped and tap is not None and tap.shares(timers[0])))
 
     def probe_forward(self, call: Call, original: Callable[..., Any], args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> Any:
@@ -238,6 +258,8 @@ class Recorder(StepBoundaries):
         return out
 
     def end(self, call: Call, op: AttentionOp, out: Any) -> None:
+        if call.link:
+            return
         try:
             timer, sig = call.timer, call.sig
             info, qkv = call.info, call.qkv
@@ -258,6 +280,9 @@ class Recorder(StepBoundaries):
             if sig is None:
                 assert info is not None
                 sig = self._learn(call, op, info, node)
+                tap = self.tap
+                sig.tapped = bool(tap is not None and op.tap_times and call.key[_KEY_GRAD]
+                                  and tap.saw())
             call.sig = sig
             if node is not None and qkv is not None:
                 self._hook_backward(call, sig, node, qkv)

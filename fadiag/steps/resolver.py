@@ -40,7 +40,8 @@ class Resolver:
                  on_report: Callable[[StepReport], None],
                  on_tick: Callable[[float], None],
                  on_error: Callable[[str, BaseException], None],
-                 native_timers: Callable[[], list[Any]] = list):
+                 native_timers: Callable[[], list[Any]] = list,
+                 tap: Callable[[], Any] = lambda: None):
         self.rank = rank
         self.history: collections.deque[StepReport] = collections.deque(maxlen=history)
         self.oldest_inflight_seconds = 0.0
@@ -50,6 +51,8 @@ class Resolver:
         self._on_tick = on_tick
         self._on_error = on_error
         self._native_timers = native_timers
+        self._tap = tap
+        """The dispatcher tap now installed, or None (its uncut records, for the hang check)."""
         self._queue: queue.SimpleQueue[ClosedStep] = queue.SimpleQueue()
         self._pending: collections.deque[ClosedStep] = collections.deque()
         self._stop = threading.Event()
@@ -157,6 +160,11 @@ class Resolver:
 
     def _try_resolve(self, step: ClosedStep) -> bool:
         """Report `step` if the device has passed every mark it needs; False to look again."""
+        if step.tap is not None:
+            try:
+                step.take_tap()
+            except Exception as e:  # its linked calls stay unmarked: not timed, marks given back
+                self._on_error("resolver.tap", e)
         calls: list[Call] = []
         untimed: list[Call] = []  # calls that raised or were never learned
         for c in step.calls:
@@ -257,12 +265,17 @@ class Resolver:
         for step in list(self._pending):
             calls.extend(step.calls)
         for c in calls:
-            if c.aborted:
+            if c.aborted or (c.link and c.fwd0 is None):  # the tap's until resolved: below
                 continue
             t = c.timer
             host_busy = c.fwd1 is None or (t.recorded(c.bwd0) and not t.recorded(c.bwd1))
             if host_busy or not t.done(c.fwd1) or (t.recorded(c.bwd1) and not t.done(c.bwd1)):
                 oldest = max(oldest, now_ns - c.host_ns)
+        tap = self._tap()
+        if tap is not None:
+            since = tap.oldest_open_ns()
+            if since >= 0:
+                oldest = max(oldest, now_ns - since)
         self.oldest_inflight_seconds = oldest * 1e-9
         self._on_tick(self.oldest_inflight_seconds)
 

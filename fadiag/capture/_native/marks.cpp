@@ -11,7 +11,8 @@
 // `FastBegin` is the start of a measured SDPA call in its steady state (a signature seen before,
 // grad on, not a recomputation, no backward since the last call): what Recorder.begin does in
 // Python, in one C++ call. Anything else it hands back to Python by returning None, before it has
-// changed anything.
+// changed anything. A signature the dispatcher tap times (`linked`) takes no mark here: the call
+// gets a link number instead, and the tap times its kernels (tap.cpp).
 
 #include <torch/extension.h>
 #include <c10/core/GradMode.h>
@@ -39,6 +40,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 #endif
+
+namespace fadiag {
+int64_t tap_link();  // tap.cpp: the current wrapped call is the tap's to time; its link number
+}
 
 namespace {
 
@@ -247,7 +252,8 @@ class FastBegin {
         graph_task_id_(std::move(graph_task_id)),
         seen_name_("backward_starts_seen"),
         sig_name_("sig"),
-        fwd0_name_("fwd0") {}
+        fwd0_name_("fwd0"),
+        link_name_("link") {}
 
   // The call's record (already in `calls`, its forward start mark taken), or None.
   py::object begin(py::tuple args, py::dict kwargs, py::list calls, bool backward_seen) {
@@ -271,18 +277,25 @@ class FastBegin {
     site_counts_[loc] = py::int_(n + 1);
     py::object site = py::reinterpret_steal<py::object>(
         PyUnicode_FromFormat("%U#%lld", loc.ptr(), static_cast<long long>(n)));
-    py::object call = call_class_(site, timer_, false, py::none(), py::none(),
-                                  py::make_tuple(args[0], args[1], args[2]));
-    call.attr(sig_name_) = found->second;
+    const Known& known = found->second;
+    py::object call = call_class_(
+        site, timer_, false, py::none(), py::none(),
+        known.linked ? py::object(py::none()) : py::object(py::make_tuple(args[0], args[1], args[2])));
+    call.attr(sig_name_) = known.sig;
     calls.append(call);
-    call.attr(fwd0_name_) = py::int_(pool_->take_marked());
+    if (known.linked) {
+      call.attr(link_name_) = py::int_(fadiag::tap_link());
+    } else {
+      call.attr(fwd0_name_) = py::int_(pool_->take_marked());
+    }
     return call;
   }
 
-  // Python found `sig` for these arguments: later calls like them take the fast path.
-  void remember(py::tuple args, py::dict kwargs, py::object sig) {
+  // Python found `sig` for these arguments: later calls like them take the fast path (`linked`:
+  // timed by the dispatcher tap, whose pool is this timer's).
+  void remember(py::tuple args, py::dict kwargs, py::object sig, bool linked) {
     FastKey key;
-    if (make_key(args, kwargs, key)) sigs_[std::move(key)] = std::move(sig);
+    if (make_key(args, kwargs, key)) sigs_[std::move(key)] = Known{std::move(sig), linked};
   }
 
   int64_t size() const { return static_cast<int64_t>(sigs_.size()); }
@@ -411,8 +424,12 @@ class FastBegin {
   int64_t skip_;
   int64_t max_calls_;
   py::object graph_task_id_;
-  py::str seen_name_, sig_name_, fwd0_name_;
-  std::unordered_map<FastKey, py::object, FastKeyHash> sigs_;
+  struct Known {
+    py::object sig;
+    bool linked = false;
+  };
+  py::str seen_name_, sig_name_, fwd0_name_, link_name_;
+  std::unordered_map<FastKey, Known, FastKeyHash> sigs_;
 };
 #endif
 

@@ -210,6 +210,10 @@ class Pool {
     cv_.notify_all();
   }
 
+  // A backward the dispatcher tap timed (no hook, no window): counted with the hooked ones, so
+  // that the recorder sees a backward ran before its next forward.
+  void backward_seen() { backward_starts_.fetch_add(1); }
+
   void backward_ended() {
     int64_t v = in_backward_.load();
     while (v > 0 && !in_backward_.compare_exchange_weak(v, v - 1)) {
@@ -224,6 +228,19 @@ class Pool {
     if (armed_.fetch_sub(1) <= 1) window_.store(false);
   }
   bool window() const { return window_.load(); }
+  // The dispatcher tap's side of the window: open while its forwards still wait for backward ops
+  // inside a backward pass, shut when none does.
+  void tap_window(bool open) {
+    if (!open) {
+      if (armed_.load() <= 0) window_.store(false);
+      return;
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      window_.store(true);
+    }
+    cv_.notify_all();
+  }
 
   // Block (the caller has released the GIL) until the window is open or `timeout_s` passes.
   bool wait_window(double timeout_s) {

@@ -6,9 +6,16 @@
 // a mark before, a mark after, and a record of what the call was (shape, dtype, causal, dropout,
 // whether it ran inside a backward pass). A backward op is paired with its forward by the
 // logsumexp (or output) tensor it receives, and what it receives besides q, k, v and the incoming
-// gradient is exactly what the forward kept for it. Records wait in a log that Python drains at
-// each step boundary. Destroying the registrations (uninstall) gives every op back the kernel it
-// had: the dispatcher keeps the replaced kernel and makes it current again.
+// gradient is exactly what the forward kept for it. At each step boundary the training thread
+// cuts the log (a swap, no Python per record) and the resolver thread turns the cut records into
+// calls. Destroying the registrations (uninstall) gives every op back the kernel it had: the
+// dispatcher keeps the replaced kernel and makes it current again.
+//
+// Eager calls go through fadiag's Python wrapper first, which names their call site. A call whose
+// signature Python has learned is *linked*: the wrapper gives it a number (`link`) and takes no
+// marks; the tap times the op's kernel and its backward op below autograd and tags the record
+// with that number, which the resolver uses to join the record to the wrapper's call. Other
+// wrapped calls (a signature's first, the math path) are Python's to time: they pass through.
 //
 // Nothing here takes the GIL on the call path, and nothing thrown by fadiag reaches the caller:
 // the op's own errors pass through unchanged, fadiag's are counted.
@@ -22,6 +29,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <chrono>
 #include <limits>
 #include <map>
 #include <optional>
@@ -83,13 +91,17 @@ struct Record {
   int64_t phase = 0;
   int64_t kept = -1;
   bool cuda = false;
+  int64_t link = 0;     // the Python wrapper's number for this call; 0: compiled code's call
+  int64_t host_ns = 0;  // steady clock at the forward (the hang check's age of a call)
 };
 
 constexpr size_t kMaxPairs = 1 << 16;  // pairing entries kept between drains, at most
 constexpr int64_t kUnmeasured = -2;  // a forward measured by Python, or not at all: its backward too
 
 thread_local int t_depth = 0;   // inside a tapped op: the ops it calls pass through
-thread_local int t_python = 0;  // inside a call that the Python wrapper measures
+thread_local int t_python = 0;  // inside a call of the Python wrapper
+thread_local int64_t t_link = 0;  // that call's link: the tap times it (0: Python does, or none)
+thread_local bool t_seen = false;  // a tapped forward op ran inside the wrapper's call
 
 struct Quiet : c10::WarningHandler {
   // Registering over an existing kernel warns once; fadiag says what it did in its own log.
@@ -123,17 +135,21 @@ class TapState {
 
   void set_measuring(bool on) { measuring_.store(on, std::memory_order_relaxed); }
 
-  // Every record since the last drain, as tuples (see Tap.drain in fadiag/capture/tap.py).
-  py::list drain() {
+  // Every record since the last cut, moved out (a swap: the training thread's part of a drain).
+  std::vector<Record> cut() {
     std::vector<Record> records;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      records.swap(records_);
-      first_id_ = next_id_;
-      by_ptr_.clear();
-      phase_ = 0;
-      backward_since_forward_ = false;
-    }
+    std::lock_guard<std::mutex> lock(mu_);
+    records.swap(records_);
+    first_id_ = next_id_;
+    by_ptr_.clear();
+    phase_ = 0;
+    backward_since_forward_ = false;
+    waiting_ = 0;
+    return records;
+  }
+
+  // Records as tuples (see Tap._rows in fadiag/capture/tap.py), on the resolver thread.
+  static py::list rows(const std::vector<Record>& records) {
     py::list out;
     for (const Record& r : records) {
       py::object dtype = py::reinterpret_borrow<py::object>(
@@ -144,9 +160,23 @@ class TapState {
           py::make_tuple(r.b, r.h, r.sq, r.sk, r.d), r.dv, r.kv_heads, dtype,
           c10::DeviceTypeName(r.device_type, /*lower_case=*/true), r.device_index, r.causal,
           r.dropout, r.scale, r.recompute, r.phase,
-          r.kept < 0 ? py::object(py::none()) : py::object(py::int_(r.kept)), r.cuda));
+          r.kept < 0 ? py::object(py::none()) : py::object(py::int_(r.kept)), r.cuda, r.link));
     }
     return out;
+  }
+
+  // The steady-clock time of the oldest record whose marks the device has not passed, or -1:
+  // for the hang check, which cannot see calls before the resolver has them.
+  int64_t oldest_open_ns() {
+    std::lock_guard<std::mutex> lock(mu_);
+    int64_t oldest = -1;
+    for (const Record& r : records_) {
+      Pool* pool = r.cuda ? cuda_.get() : cpu_.get();
+      if (pool == nullptr) continue;
+      const bool open = !pool->done(r.f1) || (r.b1 >= 0 && !pool->done(r.b1));
+      if (open && (oldest < 0 || r.host_ns < oldest)) oldest = r.host_ns;
+    }
+    return oldest;
   }
 
   py::dict counts() const {
@@ -158,6 +188,7 @@ class TapState {
     d["other_device"] = other_device_.load();
     d["unreadable"] = unreadable_.load();
     d["errors"] = errors_.load();
+    d["backwards"] = backwards_.load();
     return d;
   }
 
@@ -250,8 +281,11 @@ class TapState {
     Pool* pool = nullptr;
     bool measure = false;
     try {
-      if (t_python == 0) {
-        if (!measuring_.load(std::memory_order_relaxed)) {
+      if (t_python > 0) t_seen = true;
+      r.link = t_link;
+      t_link = 0;  // one fused forward per wrapped call; anything after it passes through
+      if (t_python == 0 || r.link != 0) {
+        if (r.link == 0 && !measuring_.load(std::memory_order_relaxed)) {
           sampled_.fetch_add(1);
         } else if (!read(s, torch::jit::last(*stack, nargs), r)) {
           unreadable_.fetch_add(1);
@@ -286,6 +320,9 @@ class TapState {
     }
 #endif
     r.recompute = torch::autograd::get_current_graph_task_id() != -1;
+    r.host_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                    std::chrono::steady_clock::now().time_since_epoch())
+                    .count();
     std::tie(r.f0, r.f1) = timed(pool, original, op, ks, stack);
     try {
       auto results = torch::jit::last(*stack, nrets);
@@ -304,6 +341,7 @@ class TapState {
       r.phase = phase_;
       const int64_t id = next_id_++;
       records_.push_back(r);
+      ++waiting_;
       pair(p, id);
     } catch (...) {
       errors_.fetch_add(1);
@@ -417,6 +455,9 @@ class TapState {
       }
     }
 #endif
+    backwards_.fetch_add(1);
+    pool->backward_seen();  // a backward ran: the recorder's next forward starts a micro-batch
+    pool->tap_window(true);
     const auto [b0, b1] = timed(pool, original, op, ks, stack);
     std::lock_guard<std::mutex> lock(mu_);
     if (waiting(id)) {
@@ -424,6 +465,7 @@ class TapState {
       r.b0 = b0;
       r.b1 = b1;
       r.kept = kept;
+      if (--waiting_ <= 0) pool->tap_window(false);  // the last awaited backward op of the pass
     } else {  // drained already, or a second backward through a retained graph
       unpaired_.fetch_add(1);
       pool->give_back(b0);
@@ -438,9 +480,15 @@ class TapState {
   std::vector<Record> records_;
   std::unordered_map<const void*, int64_t> by_ptr_;
   int64_t next_id_ = 0, first_id_ = 0, phase_ = 0;
+  int64_t waiting_ = 0;  // records in the log with no backward yet
   bool backward_since_forward_ = false;
   std::atomic<int64_t> sampled_{0}, over_cap_{0}, captured_{0}, unpaired_{0}, other_device_{0},
-      unreadable_{0}, errors_{0};
+      unreadable_{0}, errors_{0}, backwards_{0};
+};
+
+// One cut of the record log, handed from the training thread to the resolver.
+struct Batch {
+  std::vector<Record> records;
 };
 
 class Kernel final : public c10::OperatorKernel {
@@ -526,12 +574,22 @@ class Tap {
 
   bool installed() const { return !libraries_.empty(); }
   void set_measuring(bool on) { state_->set_measuring(on); }
-  py::list drain() { return state_->drain(); }
+  Batch cut() { return Batch{state_->cut()}; }
   py::dict counts() const { return state_->counts(); }
+  int64_t oldest_open_ns() { return state_->oldest_open_ns(); }
 
-  // The Python wrapper measures this call itself: the ops it reaches pass through.
-  static void enter() { ++t_python; }
-  static void exit() { --t_python; }
+  // A call of the Python wrapper: the ops it reaches pass through unless it is linked.
+  static void enter() {
+    if (t_python++ == 0) {
+      t_seen = false;
+      t_link = 0;
+    }
+  }
+  static void exit() {
+    if (--t_python == 0) t_link = 0;
+  }
+  // Whether a tapped forward op ran inside the wrapper's current call.
+  static bool saw() { return t_seen; }
 
  private:
   std::shared_ptr<TapState> state_;
@@ -540,8 +598,30 @@ class Tap {
 
 }  // namespace
 
+namespace {
+std::atomic<int64_t> g_links{0};
+}
+
+// The wrapper's current call is the tap's to time: a fresh link number, set for the tap's next
+// forward on this thread (FastBegin in marks.cpp, and Tap.link from Python).
+int64_t tap_link() {
+  t_link = g_links.fetch_add(1, std::memory_order_relaxed) + 1;
+  return t_link;
+}
+
 void bind_tap(py::module_& m) {
   m.attr("tap") = true;
+  py::class_<Batch>(m, "TapBatch")
+      .def("__len__", [](const Batch& b) { return b.records.size(); })
+      // Whether anything in it trained: a backward ran, a recomputation, or a wrapped call.
+      .def("trained",
+           [](const Batch& b) {
+             for (const Record& r : b.records) {
+               if (r.b0 >= 0 || r.recompute || r.link != 0) return true;
+             }
+             return false;
+           })
+      .def("rows", [](const Batch& b) { return TapState::rows(b.records); });
   py::class_<Tap>(m, "Tap")
       .def(py::init<std::shared_ptr<Pool>, std::shared_ptr<Pool>, int64_t>(), py::arg("cpu"),
            py::arg("cuda"), py::arg("max_records"))
@@ -549,13 +629,18 @@ void bind_tap(py::module_& m) {
       .def("uninstall", &Tap::uninstall)
       .def("installed", &Tap::installed)
       .def("set_measuring", &Tap::set_measuring)
-      .def("drain", &Tap::drain)
+      .def("cut", &Tap::cut)
       .def("counts", &Tap::counts)
+      .def("oldest_open_ns", &Tap::oldest_open_ns)
       .def_static("enter", &Tap::enter)
-      .def_static("exit", &Tap::exit);
+      .def_static("exit", &Tap::exit)
+      .def_static("link", [] { return tap_link(); })
+      .def_static("saw", &Tap::saw);
 }
 
 #else
+
+int64_t tap_link() { return 0; }  // never called: no signature is linked without the tap
 
 void bind_tap(pybind11::module_& m) { m.attr("tap") = false; }
 

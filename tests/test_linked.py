@@ -1,0 +1,143 @@
+"""Eager calls timed by the dispatcher tap: the Python wrapper names the call, the tap times it.
+
+Once a signature is learned and the tap saw its fused op, the wrapper takes no marks: the tap
+takes them around the op's own kernel and its backward op, below autograd, and the resolver joins
+each record to the wrapper's call (its site). What autograd does around the kernel (saved-tensor
+hooks, as activation checkpointing's) is then outside the forward window.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sysconfig
+import time
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import fadiag
+from fadiag.capture import native
+from fadiag.capture.tap import supported as tap_supported
+from tests.models import GPT, train
+
+SEQ, BATCH, DIM, HEADS, LAYERS = 64, 2, 32, 2, 2
+
+
+def _toolchain() -> bool:
+    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
+    return headers and all(native.toolchain().values())
+
+
+pytestmark = [
+    pytest.mark.skipif(not _toolchain(), reason="needs a C++ compiler, ninja and Python headers"),
+    pytest.mark.skipif(tap_supported() is not None, reason="the tap needs torch >= 2.9"),
+]
+
+
+def _kept_bytes(q: torch.Tensor) -> int:
+    """What cpu_flash keeps for its backward: the output and the float32 logsumexp."""
+    b, h, s, d = q.shape
+    return b * h * s * d * q.element_size() + b * h * s * 4
+
+
+def test_eager_calls_are_timed_by_the_tap_once_learned_and_report_as_before():
+    torch.manual_seed(0)
+    model = GPT(layers=LAYERS, dim=DIM, heads=HEADS)
+    s = fadiag.attach(port=0, tap="on")
+    tap = s.recorder.tap
+    assert tap is not None
+    train(model, 4, seq=SEQ, batch=BATCH)
+    assert s.flush(10)
+    steps = s.history()
+    assert [len(r.calls) for r in steps] == [LAYERS] * 4
+    first, *later = steps
+    for r in later:
+        assert [c.site for c in r.calls] == [c.site for c in first.calls]
+        assert all("models.py" in c.site for c in r.calls)  # the eager call site, not compiled#n
+        for c in r.calls:
+            assert c.impl == "cpu_flash" and not c.probe
+            assert c.forward_seconds > 0 and c.backward_seconds > 0
+            q = torch.empty(BATCH, HEADS, SEQ, DIM // HEADS)
+            assert c.kept_bytes == _kept_bytes(q)
+            assert c.standard_bytes == first.calls[0].standard_bytes
+    # The tap timed the backward op of every call after the first step's (probe) calls.
+    assert tap.backward_starts() >= LAYERS * 3
+    assert tap.counts()["unrecorded"] == 0
+
+
+class _SlowPacking(nn.Module):
+    """SDPA under saved-tensor hooks whose packing sleeps: host time autograd spends saving
+    the op's tensors for its backward, after the kernel has run (as checkpointing's hooks do)."""
+
+    def __init__(self, pause_s: float):
+        super().__init__()
+        self.pause_s = pause_s
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        def pack(t: torch.Tensor) -> torch.Tensor:
+            time.sleep(self.pause_s)
+            return t
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _forward_seconds(tap: str, steps: int, pause_s: float) -> list[float]:
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 32, 16, requires_grad=True) for _ in range(3))
+    model = _SlowPacking(pause_s)
+    s = fadiag.attach(port=0, tap=tap)
+    try:
+        for _ in range(steps):
+            model(q, k, v).sum().backward()
+            fadiag.step()
+        assert s.flush(10)
+        return [r.calls[0].forward_seconds for r in s.history()]
+    finally:
+        fadiag.detach()
+
+
+def test_saved_tensor_hooks_stay_out_of_a_tapped_forward_window():
+    pause = 0.02  # per saved tensor; the fused op saves several, so >= 40 ms a call
+    wrapped = _forward_seconds("off", 3, pause)
+    tapped = _forward_seconds("on", 5, pause)
+    # The wrapper's window holds the packing (a lower bound: sleeps cannot be shorter) ...
+    assert min(wrapped) >= 2 * pause
+    # ... the tap's holds the kernel: its steady-state calls (after the first, the probe) read
+    # well under one pause even on a busy machine, where the wrapper's read over two.
+    assert statistics.median(tapped[1:]) < pause
+
+
+def test_micro_batches_keep_their_sites_when_the_tap_times_them():
+    torch.manual_seed(0)
+    model = GPT(layers=LAYERS, dim=DIM, heads=HEADS)
+    s = fadiag.attach(port=0, tap="on")
+    train(model, 3, seq=SEQ, batch=BATCH, micro_batches=2)
+    assert s.flush(10)
+    steps = s.history()
+    assert [len(r.calls) for r in steps] == [2 * LAYERS] * 3
+    for r in steps[1:]:
+        assert [c.site for c in r.calls] == [c.site for c in steps[0].calls]
+        assert all(c.forward_seconds > 0 and c.backward_seconds > 0 for c in r.calls)
+    assert s.recorder.tap.counts()["unrecorded"] == 0
+
+
+@pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
+def test_checkpointed_layers_under_the_tap_mark_recomputes_and_time_every_backward(mode):
+    torch.manual_seed(0)
+    model = GPT(layers=LAYERS, dim=DIM, heads=HEADS, checkpointing=mode)
+    s = fadiag.attach(port=0, tap="on")
+    train(model, 4, seq=SEQ, batch=BATCH)
+    assert s.flush(10)
+    for r in s.history()[1:]:
+        first = [c for c in r.calls if not c.recompute]
+        again = [c for c in r.calls if c.recompute]
+        assert len(first) == LAYERS and len(again) == LAYERS
+        assert {c.site for c in again} == {c.site for c in first}
+        summary = {site.site: site for site in r.sites()}
+        assert len(summary) == LAYERS
+        assert all(site.calls == 1 and site.backward_seconds > 0 for site in summary.values())
+    assert s.recorder.tap.counts()["unrecorded"] == 0
