@@ -50,6 +50,8 @@ def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
                 if s.ratio is not None:
                     per_site.setdefault(s.site, []).append(s.ratio)
         flags = [(f.rule, f.severity, round(f.value, 2)) for r in session.history() for f in r.flags]
+        tap = session.recorder.tap
+        tap_backwards = tap.backward_starts() if tap is not None else 0  # calls the tap timed
     finally:
         fadiag.detach()
         del model, opt
@@ -58,7 +60,8 @@ def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
     return {"sites": len(medians), "calls_per_step": calls / max(1, len(session.history()[3:])),
             "recomputed_per_step": recomputed / max(1, len(session.history()[3:])),
             "ratio_min": min(medians.values()), "ratio_max": max(medians.values()),
-            "per_site": medians, "flags": flags[:20]}
+            "per_site": medians, "flags": flags[:20], "tap_timed_backwards": tap_backwards,
+            "marks": session.devices.marks()}
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
 Calls the fused SDPA op directly (as compiled code does) on tiny inputs, forward and backward,
 with: nothing (plain); the dispatcher tap alone (a C++ boxed kernel around the registered one,
-two marks and a record per op, records drained every 8 calls); a Python kernel registered over
+two marks and a record per op, records cut and made calls every 8 calls); a Python kernel registered over
 the op with torch.library that calls the kernel it replaces and takes two host-clock marks
 (Python per call); and the whole session (the tap, a step every 8 calls resolved, judged and
 exported: what a step costs, spread over its calls). Each row is the median of `--repeats` runs of
@@ -52,11 +52,12 @@ def raw_tap():
     from fadiag.capture.calls import Call
     from fadiag.capture.tap import Tap
 
-    tap = Tap(native.load("cuda" if torch.cuda.is_available() else "cpu"), 4096)
+    tap = Tap(native.load("cuda" if torch.cuda.is_available() else "cpu"), 4096, True)
     tap.install()
 
-    def boundary() -> None:
-        for c in tap.drain(Call, record_no_grad=True):
+    def boundary() -> None:  # the cut (training thread) and the calls (resolver's) both here
+        calls, _, _ = tap.calls(tap.cut(), Call, [])
+        for c in calls:
             c.timer.release(c.fwd0, c.fwd1, c.bwd0, c.bwd1)
 
     return tap, boundary

@@ -65,3 +65,16 @@ def scores_bytes(batch: int, heads: int, seq_q: int, seq_k: int, elem_size: int 
     """One [B, H, Sq, Sk] score matrix: what an unfused path materializes at least once per pass
     (eager flex_attention computes scores in fp32, fp64 for fp64 inputs)."""
     return batch * heads * seq_q * seq_k * elem_size
+
+
+def window_peak(before: dict[str, int], after: dict[str, int]) -> int:
+    """Peak bytes above `before["current"]` in the window, without resetting the user's peak.
+
+    If the allocator's all-time peak rose in the window, the window peak is exactly the new peak;
+    otherwise it lies in [max(A0, A1), A0 + (C1 - C0)] and the upper bound is returned.
+    """
+    a0 = before["current"]
+    if after["peak"] > before["peak"]:
+        return after["peak"] - a0
+    upper = a0 + (after["allocated"] - before["allocated"])
+    return max(0, min(upper, before["peak"]) - a0)

@@ -30,19 +30,24 @@ def native_marks_built():
     return module
 
 
-@pytest.fixture(params=["native", "python"])
+@pytest.fixture(params=["tap", "native", "python"])
 def marks(request, native_marks_built):
-    """`native` setting for attach(): each test using it runs with C++ marks and Python marks."""
-    if request.param == "native" and native_marks_built is None:
+    """How eager calls are timed: by the dispatcher tap (the default once the extension is
+    loaded: the wrapper names the call, the tap marks its kernels), or by the wrapper's own marks
+    and backward hooks, C++ (`native`) or Python (`python`). Each test using it runs all three."""
+    if request.param != "python" and native_marks_built is None:
         from fadiag.capture import native
 
         pytest.fail(f"native marks did not build here: {native.status('cuda')}")
-    return "on" if request.param == "native" else "off"
+    return request.param
 
 
 def attach(marks, **kw):
-    session = fadiag.attach(port=0, native=marks, **kw)
-    assert session.devices.timer("cuda").native == (marks == "on")
+    native = "off" if marks == "python" else "on"
+    session = fadiag.attach(port=0, native=native, tap="on" if marks == "tap" else "off", **kw)
+    assert session.devices.timer("cuda").native == (native == "on")
+    if marks == "tap":
+        assert session.recorder.tap.shares(session.devices.timer("cuda"))
     return session
 
 
@@ -239,6 +244,31 @@ def test_ten_thousand_steps_keep_event_pool_and_device_memory_flat(marks):
     # resolver lagged at worst, which varies with the host), not a count of steps.
     assert timer.marks_in_use() == 0
     assert session.errors == 0
+
+
+def test_the_hang_signal_sees_a_tapped_call_the_device_has_not_passed():
+    import time
+
+    session = attach("tap")
+    q, k, v = qkv(1024, b=1)
+    for _ in range(3):  # learn the signature: later calls are the tap's to time
+        F.scaled_dot_product_attention(q, k, v).backward(torch.ones_like(q))
+        fadiag.step()
+    assert session.flush(30)
+    torch.cuda._sleep(4_000_000_000)  # ~2 s of the GPU's clock: the call's marks wait behind it
+    out = F.scaled_dot_product_attention(q, k, v)
+    open_since = session.recorder.tap.oldest_open_ns()
+    deadline, inflight = time.monotonic() + 1.5, 0.0
+    while time.monotonic() < deadline and inflight < 0.5:
+        time.sleep(0.05)
+        inflight = session.resolver.oldest_inflight_seconds
+    torch.cuda.synchronize()
+    assert open_since >= 0 and inflight >= 0.5, (open_since, inflight)
+    out.backward(torch.ones_like(out))
+    fadiag.step()
+    assert session.flush(30)
+    assert session.last_step().calls[0].forward_seconds > 0
+    assert session.recorder.tap.oldest_open_ns() == -1
 
 
 def test_calls_on_a_side_stream_are_timed_on_that_stream(marks):

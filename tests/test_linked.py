@@ -141,3 +141,34 @@ def test_checkpointed_layers_under_the_tap_mark_recomputes_and_time_every_backwa
         assert len(summary) == LAYERS
         assert all(site.calls == 1 and site.backward_seconds > 0 for site in summary.values())
     assert s.recorder.tap.counts()["unrecorded"] == 0
+
+
+def test_the_tap_and_the_recorder_share_one_native_timer_when_native_marks_are_on():
+    s = fadiag.attach(port=0, tap="on", native="on")
+    tap = s.recorder.tap
+    timer = s.devices.timer("cpu")
+    assert timer.native and tap.shares(timer) and tap.timers["cpu"] is timer
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    for _ in range(3):
+        F.scaled_dot_product_attention(q, q, q, is_causal=True).sum().backward()
+        fadiag.step()
+    assert s.flush(10)
+    assert [len(r.calls) for r in s.history()] == [1, 1, 1]
+    assert all(r.calls[0].backward_seconds > 0 for r in s.history())
+    assert tap.backward_starts() == 2  # the calls after the probe: the tap's to time
+    assert timer.marks_in_use() == 0
+
+
+def test_with_python_marks_on_cpu_the_tap_keeps_its_own_timer_and_still_times_the_calls():
+    s = fadiag.attach(port=0, tap="on", native="auto")  # auto: Python marks on CPU
+    tap = s.recorder.tap
+    timer = s.devices.timer("cpu")
+    assert not getattr(timer, "native", False) and not tap.shares(timer)
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    for _ in range(3):
+        F.scaled_dot_product_attention(q, q, q).sum().backward()
+        fadiag.step()
+    assert s.flush(10)
+    assert tap.backward_starts() == 2
+    assert all(r.calls[0].backward_seconds > 0 for r in s.history())
+    assert tap.timers["cpu"].marks_in_use() == 0

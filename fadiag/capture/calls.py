@@ -10,10 +10,9 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..memory import standard_bytes
+from ..memory import standard_bytes, window_peak
 from . import backends
 from .attention_op import AttentionOp, CallInfo
-from .device import window_peak
 from .graph import SavedBytes, find_fused
 
 

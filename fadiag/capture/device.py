@@ -274,19 +274,6 @@ def _fast_cuda_record() -> Any:
     return record
 
 
-def window_peak(before: dict[str, int], after: dict[str, int]) -> int:
-    """Peak bytes above `before["current"]` in the window, without resetting the user's peak.
-
-    If the allocator's all-time peak rose in the window, the window peak is exactly the new peak;
-    otherwise it lies in [max(A0, A1), A0 + (C1 - C0)] and the upper bound is returned.
-    """
-    a0 = before["current"]
-    if after["peak"] > before["peak"]:
-        return after["peak"] - a0
-    upper = a0 + (after["allocated"] - before["allocated"])
-    return max(0, min(upper, before["peak"]) - a0)
-
-
 class Devices:
     """One timer per device kind, created on first use.
 
@@ -333,7 +320,20 @@ class Devices:
             native.load_in_background(kind, ready)
         return timer
 
+    def native_timer(self, kind: str, ext: Any) -> NativeTimer | None:
+        """The native timer for `kind`, adopted now if `native` allows it there (the dispatcher tap
+        takes its marks from it, so that the calls it times and the recorder's share one pool)."""
+        if self._closed or self._native == "off" or (kind, self._native) == ("cpu", "auto"):
+            return None
+        if kind not in ("cuda", "cpu") or (kind == "cuda" and not getattr(ext, "cuda", False)):
+            return None
+        t = self._timers[kind] = self._adopt(kind, ext)
+        return t
+
     def _adopt(self, kind: str, ext: Any) -> NativeTimer:
+        for t in self.native_timers:  # once per kind, whoever asks first
+            if t.kind == kind:
+                return t
         t = NativeTimer(kind, ext, torch.cuda if kind == "cuda" else None)
         self.native_timers.append(t)
         log.info("fadiag: native marks in use on %s", kind)

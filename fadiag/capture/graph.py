@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ..memory import window_peak
 from . import backends
-from .device import window_peak
 
 if TYPE_CHECKING:
     from .calls import Call, Signature

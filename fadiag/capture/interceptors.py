@@ -171,7 +171,8 @@ class Interceptors:
             self._tap_unavailable("the native extension was built without it (torch < 2.9)")
             return
         try:
-            timers = {t.kind: t for t in self.recorder.devices.native_timers}
+            devices = self.recorder.devices
+            timers = {k: t for k in ("cpu", "cuda") if (t := devices.native_timer(k, ext))}
             tap = Tap(ext, self.config.steps.max_calls_per_step,
                       self.config.steps.record_no_grad, timers)
             tap.install()
