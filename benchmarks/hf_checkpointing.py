@@ -42,10 +42,15 @@ def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
             opt.zero_grad(set_to_none=True)
         assert session.flush(60)
         per_site: dict[str, list[float]] = {}
+        seconds: dict[str, list[float]] = {"forward": [], "recompute_forward": [], "backward": []}
         calls = recomputed = 0
         for r in session.history()[3:]:
             calls += len(r.calls)
             recomputed += sum(c.recompute for c in r.calls)
+            for c in r.calls:
+                seconds["recompute_forward" if c.recompute else "forward"].append(c.forward_seconds)
+                if c.backward_seconds:
+                    seconds["backward"].append(c.backward_seconds)
             for s in r.sites():
                 if s.ratio is not None:
                     per_site.setdefault(s.site, []).append(s.ratio)
@@ -60,7 +65,8 @@ def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
     return {"sites": len(medians), "calls_per_step": calls / max(1, len(session.history()[3:])),
             "recomputed_per_step": recomputed / max(1, len(session.history()[3:])),
             "ratio_min": min(medians.values()), "ratio_max": max(medians.values()),
-            "per_site": medians, "flags": flags[:20], "tap_timed_backwards": tap_backwards,
+            "per_site": medians, "flags": flags[:20],
+            "median_ms": {k: round(statistics.median(v) * 1e3, 4) for k, v in seconds.items() if v}, "tap_timed_backwards": tap_backwards,
             "marks": session.devices.marks()}
 
 

@@ -485,3 +485,39 @@ def test_a_baseline_leaves_out_the_warm_up_and_the_calls_that_learned_a_signatur
     [entry] = b.entries.values()
     assert entry["forward_seconds"] + entry["backward_seconds"] == pytest.approx(0.01)
     assert entry["impl"] == "cpu_flash"
+
+
+def _checkpointed_report(step, first_fwd, again_fwd, bwd, n=2048):
+    """One checkpointed site: its forward pass call, and the recomputation that carries the
+    backward (as the tap and the wrapper report them)."""
+    kw = dict(site="llama.py:9#0", impl="cudnn", shape=(2, 16, n, n, 128), dtype="bfloat16",
+              causal=True, device="cuda", kept_bytes=100, standard_bytes=10_000)
+    calls = [CallRecord(forward_seconds=first_fwd, backward_seconds=0.0, **kw),
+             CallRecord(forward_seconds=again_fwd, backward_seconds=bwd, recompute=True, **kw)]
+    return StepReport(step=step, forward_seconds=first_fwd, backward_seconds=bwd, kept_bytes=100,
+                      standard_bytes=10_000, peak_bytes=None, calls=calls,
+                      recompute_seconds=again_fwd)
+
+
+def test_a_checkpointed_site_divides_by_the_faster_of_its_two_forward_windows():
+    # The H200's HF Llama under non-reentrant checkpointing: the forward pass read 0.146 ms, the
+    # recomputation of the same kernel 0.083 ms, the backward 0.271 ms (plain: 0.083 / 0.269).
+    report = _checkpointed_report(1, 0.146e-3, 0.083e-3, 0.271e-3)
+    (site,) = report.sites()
+    assert site.calls == 1 and site.recomputes == 1
+    assert site.forward_seconds == pytest.approx(0.146e-3)  # what the forward pass took, as read
+    assert site.ratio == pytest.approx(0.271 / 0.083)
+    assert report.ratio == pytest.approx(0.271 / 0.083)
+    # A recomputation that read slower leaves the forward pass's window as the divisor.
+    slow_again = _checkpointed_report(2, 0.083e-3, 0.146e-3, 0.271e-3)
+    assert slow_again.sites()[0].ratio == pytest.approx(0.271 / 0.083)
+
+
+def test_the_ratio_rule_judges_a_checkpointed_site_by_its_kernel_not_its_starved_window():
+    rules = _rules(device="NVIDIA H200", backward_forward_ratio={"warmup_steps": 0,
+                                                                 "per_impl": {"cudnn": 3.7}})
+    healthy = [_checkpointed_report(i, 0.146e-3, 0.083e-3, 0.271e-3) for i in range(1, 4)]
+    assert _raised(rules, healthy) == []
+    # A backward really 1.5x slow is flagged whichever window the forward pass read.
+    [flag] = _raised(rules, [_checkpointed_report(4, 0.146e-3, 0.083e-3, 1.5 * 0.271e-3)])
+    assert flag.rule == "backward_forward_ratio" and flag.value == pytest.approx(1.5 * 0.271 / 0.083)

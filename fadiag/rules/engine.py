@@ -148,12 +148,12 @@ class Rules:
         for s in sites:
             if s.forward_seconds < cfg.min_forward_seconds:
                 continue
-            r = self._judged_ratio((s.site, s.impl, s.shape), s.forward_seconds,
+            r = self._judged_ratio((s.site, s.impl, s.shape), s.ratio_forward_seconds,
                                    s.backward_seconds, s.device == "cpu")
             if r is not None:
                 judged.append((s, r, cfg.threshold_for(s.impl)))
         over = [(s, r, t) for s, r, t in judged if r > t]
-        fwd = sum(s.forward_seconds for s in sites)
+        fwd = sum(s.ratio_forward_seconds for s in sites)
         host = any(s.device == "cpu" for s in sites)
         total = self._judged_ratio(TOTAL, fwd, sum(s.backward_seconds for s in sites), host)
         # The step as a whole is judged against the most lenient threshold of its impls: a step

@@ -21,7 +21,13 @@ class Figures:
 
     @property
     def ratio(self) -> float | None:
-        return ratio(self.backward_seconds, self.forward_seconds)  # type: ignore[attr-defined]
+        return ratio(self.backward_seconds, self.ratio_forward_seconds)  # type: ignore[attr-defined]
+
+    @property
+    def ratio_forward_seconds(self) -> float:
+        """The forward time the ratio divides by: the forward's own (overridden where the same
+        kernel was also timed in a checkpointed recomputation)."""
+        return self.forward_seconds  # type: ignore[attr-defined,no-any-return]
 
     @property
     def memory_savings(self) -> float | None:
@@ -131,6 +137,20 @@ class SiteSummary(Figures):
     """The timer kind of its calls: "cpu" means host-clock timings."""
     sparsity: float | None = None
     """The mean block-mask sparsity of the site's calls (flex_attention), else None."""
+    recompute_forward_seconds: float = 0.0
+    recomputes: int = 0
+    """Checkpointing: the forward time and number of the site's recomputations."""
+
+    @property
+    def ratio_forward_seconds(self) -> float:
+        """Under checkpointing every forward of the site runs twice, the same kernel on the same
+        tensors' shapes: once in the forward pass and again in the backward. Each window holds
+        the kernel and whatever host time the device waited for inside it (a first pass starved
+        by checkpointing's own Python reads up to 1.8x the kernel; BENCHMARKS.md), never less,
+        so the faster of the two is the ratio's forward."""
+        if self.recomputes == self.calls and self.recompute_forward_seconds > 0.0:
+            return min(self.forward_seconds, self.recompute_forward_seconds)
+        return self.forward_seconds
 
     @property
     def computed_fraction(self) -> float:
@@ -180,6 +200,14 @@ class StepReport(Figures):
     def attention_seconds(self) -> float:
         return self.forward_seconds + self.backward_seconds
 
+    @property
+    def ratio_forward_seconds(self) -> float:
+        """The forward time the step's ratio divides by: its sites' (SiteSummary), which differ
+        from `forward_seconds` only where checkpointed recomputations ran."""
+        if not self.recompute_seconds or not self.calls:
+            return self.forward_seconds
+        return sum(s.ratio_forward_seconds for s in self.sites())
+
     def sites(self) -> list[SiteSummary]:
         """Per-site totals, in first-call order."""
         return summarize(self.calls)
@@ -225,7 +253,8 @@ class StepReport(Figures):
 
 
 def summarize(calls: list[CallRecord]) -> list[SiteSummary]:
-    """Per-site totals of `calls`, in first-call order (a recomputation adds its backward only)."""
+    """Per-site totals of `calls`, in first-call order (a recomputation adds its backward, and its
+    forward to `recompute_forward_seconds`)."""
     by_site: dict[str, SiteSummary] = {}
     sparsity: dict[str, list[float]] = {}
     for c in calls:
@@ -241,6 +270,9 @@ def summarize(calls: list[CallRecord]) -> list[SiteSummary]:
                 s.kept_bytes = None if c.kept_bytes is None else s.kept_bytes + c.kept_bytes
             if c.sparsity is not None:
                 sparsity.setdefault(c.site, []).append(c.sparsity)
+        else:
+            s.recomputes += 1
+            s.recompute_forward_seconds += c.forward_seconds
         s.backward_seconds += c.backward_seconds
     for site, values in sparsity.items():
         by_site[site].sparsity = sum(values) / len(values)
