@@ -309,9 +309,11 @@ class Config:
     true and false (what YAML makes of a bare on and off) mean on and off."""
     tap: str = "auto"
     """The dispatcher tap (fadiag/capture/tap.py): measures the fused attention ops that no Python wrapper
-    sees (torch.compile'd code). auto: the native extension is built or loaded in the background
-    and the tap installed at the first step boundary after; on: built at attach(), waiting for
-    it; off: compiled attention is not measured. Needs torch >= 2.9 and a C++ compiler."""
+    sees (torch.compile'd code), and times eager calls once their signature is learned (below
+    autograd; the wrapper names the site). auto: the native extension is built or loaded in the
+    background and the tap installed at the first step boundary after; on: built at attach(),
+    waiting for it; off: compiled attention is not measured and eager calls keep the wrapper's
+    marks. Needs torch >= 2.9 and a C++ compiler."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     interceptors: InterceptorsConfig = field(default_factory=InterceptorsConfig)
     steps: StepsConfig = field(default_factory=StepsConfig)
