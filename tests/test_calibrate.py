@@ -19,8 +19,27 @@ def test_thresholds_are_the_largest_judged_ratio_of_each_impl_plus_the_margin():
                measure.Measured(impl="cpu_flash", shape=shape, ratios=[1.0, 9.0, 2.0],
                                 host_clock=True),
                measure.Measured(impl="flash_attn", shape=shape, reason="not an SDPA backend")]
-    # A device clock is judged step by step (the largest step), the host clock on a median.
+    # A device clock is judged step by step (the largest step); the host clock from ratios
+    # alone on their median.
     assert measure.thresholds(results, 0.1) == {"flash": 3.74, "cpu_flash": 2.2}
+
+
+def test_the_host_clock_is_judged_as_the_rule_judges_it_fastest_backward_over_fastest_forward():
+    shape = measure.Shape(batch=1, heads=2, seq_q=256, seq_k=256, head_dim=32, kv_heads=2,
+                          dtype="float32", causal=True)
+    # Twelve steps of a healthy 2x kernel, three of them preempted (a forward or a backward
+    # read long): the rule divides the fastest backward by the fastest forward of each 9 steps.
+    seconds = [(1e-3, 2e-3)] * 12
+    seconds[2] = (1e-3, 9e-3)      # a preempted backward: not the window's fastest
+    seconds[5] = (6e-3, 2e-3)      # a preempted forward
+    seconds[10] = (1.1e-3, 2.1e-3)
+    m = measure.Measured(impl="cpu_flash", shape=shape, host_clock=True,
+                         ratios=[b / f for f, b in seconds], seconds=seconds)
+    assert m.judged == pytest.approx(2.0)
+    # A run shorter than the window: the same figure over all its steps.
+    short = measure.Measured(impl="cpu_flash", shape=shape, host_clock=True, ratios=[9.0, 2.0],
+                             seconds=[(1e-3, 9e-3), (2e-3, 2.5e-3)])
+    assert short.judged == pytest.approx(2.5)
 
 
 def test_calibrate_writes_per_impl_thresholds_that_attach_loads(tmp_path, capsys):
@@ -31,6 +50,7 @@ def test_calibrate_writes_per_impl_thresholds_that_attach_loads(tmp_path, capsys
     [(impl, limit)] = data["rules"]["backward_forward_ratio"]["per_impl"].items()
     assert impl == "cpu_flash" and limit > 0
     assert "cpu_flash  B=1 H=2 Sq=256 Sk=256 D=32 float32 causal: median" in out.read_text()
+    assert ", judged " in out.read_text()
     s = fadiag.attach(str(out), port=0)
     assert s.config.rules.backward_forward_ratio.threshold_for("cpu_flash") == limit
     assert f"wrote {out}: cpu_flash {limit:g}" in capsys.readouterr().out

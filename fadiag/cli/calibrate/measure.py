@@ -16,8 +16,12 @@ import torch
 
 import fadiag
 
+from ...config.schema import RatioRuleConfig
 from ...errors import FadiagError
 from ...steps.records import StepReport
+
+WINDOW = RatioRuleConfig().host_window_steps
+"""Host-clock steps the ratio rule judges together (its default)."""
 
 SDPA_BACKENDS = {"flash": "FLASH_ATTENTION", "cpu_flash": "FLASH_ATTENTION",
                  "efficient": "EFFICIENT_ATTENTION", "cudnn": "CUDNN_ATTENTION", "math": "MATH"}
@@ -47,22 +51,33 @@ class Shape:
 
 @dataclass(kw_only=True)
 class Measured:
-    """One (impl, shape): the ratio of each measured step, or why it was not measured."""
+    """One (impl, shape): the ratio of each measured step, or why it was not measured.
+
+    `seconds` holds each step's (forward, backward) where they were read (the host clock's
+    judgement needs both)."""
 
     impl: str
     shape: Shape
     ratios: list[float] = field(default_factory=list)
     reason: str = ""
+    host_clock: bool = False
+    seconds: list[tuple[float, float]] = field(default_factory=list)
 
     @property
     def judged(self) -> float | None:
-        """What the rule would judge at worst: on the host clock the median (the rule judges a
-        rolling median there), on a device clock the largest step (it judges every step)."""
+        """What the rule would judge at worst over the steps: on a device clock the largest step
+        (it judges every step); on the host clock the largest, over every run of WINDOW steps, of
+        the fastest backward over the fastest forward (what the rule judges there), or, with
+        fewer steps, that figure over all of them; from ratios alone (no seconds), their median."""
         if not self.ratios:
             return None
-        return statistics.median(self.ratios) if self.host_clock else max(self.ratios)
-
-    host_clock: bool = False
+        if not self.host_clock:
+            return max(self.ratios)
+        if not self.seconds:
+            return statistics.median(self.ratios)
+        n = min(WINDOW, len(self.seconds))
+        return max(min(b for _, b in w) / min(f for f, _ in w)
+                   for w in (self.seconds[i:i + n] for i in range(len(self.seconds) - n + 1)))
 
 
 def shapes_from_run(steps: Iterable[StepReport]) -> dict[tuple[str, Shape], None]:
@@ -136,6 +151,7 @@ def measure(impl: str, shape: Shape, device: str, steps: int = 20, warmup: int =
                 break
             if calls and calls[0].ratio is not None:
                 out.ratios.append(calls[0].ratio)  # type: ignore[arg-type]
+                out.seconds.append((calls[0].forward_seconds, calls[0].backward_seconds))
     except RuntimeError as e:  # the backend refuses this shape, or out of memory
         out.reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
     finally:
@@ -162,7 +178,8 @@ def config_text(limits: dict[str, float], results: list[Measured], header: list[
             lines.append(f"#   {m.impl:10s} {m.shape.text()}: not measured ({m.reason})")
         else:
             lines.append(f"#   {m.impl:10s} {m.shape.text()}: median {statistics.median(m.ratios):.2f}, "
-                         f"max {max(m.ratios):.2f} over {len(m.ratios)} steps")
+                         f"max {max(m.ratios):.2f} over {len(m.ratios)} steps, judged "
+                         f"{m.judged:.2f}")
     body = yaml.safe_dump({"rules": {"backward_forward_ratio": {"per_impl": limits}}},
                           sort_keys=False)
     return "\n".join(lines) + "\n" + body
