@@ -6,9 +6,7 @@ Python wrapper runs; the tap (fadiag/capture/tap.py, capture/_native/tap.cpp) me
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
-import sysconfig
 
 import pytest
 import torch
@@ -16,24 +14,15 @@ import torch.nn.functional as F
 from prometheus_client import CollectorRegistry
 
 import fadiag
-from fadiag.capture import native
 from fadiag.capture.tap import TAP_OPS, specs
-from fadiag.capture.tap import supported as tap_supported
 from fadiag.steps.records import StepReport
 from tests.models import GPT, train
+from tests.native_marks import NEEDS_TAP
 
 SEQ, BATCH, DIM, HEADS, LAYERS = 64, 2, 32, 2, 2
 
 
-def _toolchain() -> bool:
-    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
-    return headers and all(native.toolchain().values())
-
-
-pytestmark = [
-    pytest.mark.skipif(not _toolchain(), reason="needs a C++ compiler, ninja and Python headers"),
-    pytest.mark.skipif(tap_supported() is not None, reason="the tap needs torch >= 2.9"),
-]
+pytestmark = NEEDS_TAP
 
 
 def _model(checkpointing: str | None = None) -> torch.nn.Module:

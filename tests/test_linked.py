@@ -8,9 +8,7 @@ hooks, as activation checkpointing's) is then outside the forward window.
 
 from __future__ import annotations
 
-import os
 import statistics
-import sysconfig
 import time
 
 import pytest
@@ -19,22 +17,13 @@ import torch.nn.functional as F
 from torch import nn
 
 import fadiag
-from fadiag.capture import native
-from fadiag.capture.tap import supported as tap_supported
 from tests.models import GPT, train
+from tests.native_marks import NEEDS_TAP
 
 SEQ, BATCH, DIM, HEADS, LAYERS = 64, 2, 32, 2, 2
 
 
-def _toolchain() -> bool:
-    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
-    return headers and all(native.toolchain().values())
-
-
-pytestmark = [
-    pytest.mark.skipif(not _toolchain(), reason="needs a C++ compiler, ninja and Python headers"),
-    pytest.mark.skipif(tap_supported() is not None, reason="the tap needs torch >= 2.9"),
-]
+pytestmark = NEEDS_TAP
 
 
 def _kept_bytes(q: torch.Tensor) -> int:

@@ -7,9 +7,7 @@ in C++, exactly as the CUDA build does with events; the CUDA build is tested on 
 from __future__ import annotations
 
 import logging
-import os
 import sys
-import sysconfig
 import threading
 import time
 from types import SimpleNamespace
@@ -23,15 +21,10 @@ import fadiag
 from fadiag.capture import native
 from fadiag.capture.device import CpuTimer, Devices, EventTimer, NativeTimer
 from tests.models import GPT, train
+from tests.native_marks import NEEDS_NATIVE
 
 
-def _toolchain() -> bool:
-    headers = os.path.exists(os.path.join(sysconfig.get_paths()["include"], "Python.h"))
-    return headers and all(native.toolchain().values())
-
-
-pytestmark = pytest.mark.skipif(not _toolchain(),
-                                reason="needs a C++ compiler, ninja and the Python headers")
+pytestmark = NEEDS_NATIVE
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +35,10 @@ def ext():
 
 
 def attach(**kw):
+    """These tests are of the wrapper's own native marks and C++ hooks: no dispatcher tap, which
+    would time the learned calls itself (tests/test_linked.py)."""
     kw.setdefault("port", 0)
+    kw.setdefault("tap", "off")
     return fadiag.attach(**kw)
 
 
@@ -328,7 +324,7 @@ def test_the_tap_loads_the_extension_in_the_background_and_attach_does_not_wait(
     asked = []
     monkeypatch.setattr(native, "load", lambda kind: pytest.fail("attach() waited for a build"))
     monkeypatch.setattr(native, "load_in_background", lambda kind, ready: asked.append((kind, ready)))
-    s = attach(native="off")
+    s = attach(native="off", tap="auto")
     assert s.tap_status == "loading" and asked and asked[0][0] == "cpu"
     build = threading.Thread(target=asked[0][1], args=(native._modules["cpu"],))
     build.start()  # as the build thread calls it when the build is done
