@@ -516,9 +516,12 @@ def overview() -> dict:
             "Uninstrumented attention calls per second",
             "Attention calls fadiag saw but did not measure, by reason: sampling (steps left out "
             "by sampling.every_n_steps), per_step_cap (calls beyond steps.max_calls_per_step), "
-            "other_device (calls on an accelerator that is not the process's current device). "
-            "Normally 0 or only the configured sampling. Calls inside torch.compile graphs are "
-            "not seen at all.",
+            "other_device (calls on an accelerator that is not the process's current device), "
+            "cuda_graph (calls replayed inside CUDA graphs, per replay), flex_compiled and "
+            "flex_compiled_backward (flex_attention inside a compiled graph, per graph run), "
+            "compiling, no_grad (evaluation forwards), unpaired_backward, unreadable and "
+            "unrecorded (the dispatcher tap's exceptions). Normally 0 or only the configured "
+            "sampling; compiled models whose graphs replay under CUDA graphs show cuda_graph.",
             [
                 target(
                     f"sum by (reason) (rate(fadiag_attention_uninstrumented_calls_total{{{SEL}}}[{RATE}]))",
