@@ -265,6 +265,11 @@ class Tap:
         out = self._compiled(compiled, call_class)
         return out, self.no_grad - before, missing
 
+    def discard(self, batch: Any, call_class: Any) -> None:
+        """A cut in which nothing trained (evaluation, steps.record_no_grad off), on the training
+        thread: its forwards counted as no_grad and their marks given back."""
+        self._compiled([r for r in batch.rows() if not r[18]], call_class)
+
     def _forget_later(self) -> None:
         """Linked records no call claimed in _LATER_STEPS resolutions (their call was cut off by
         the step's cap, or raised): marks given back."""

@@ -149,7 +149,7 @@ class StepBoundaries:
             tap = self.tap
             batch = tap.cut() if tap is not None else None
             if batch is not None and not self.record_no_grad and not batch.trained():
-                tap.calls(batch, Call, [])  # evaluation only: counted as no_grad, marks back
+                tap.discard(batch, Call)  # evaluation only: counted as no_grad, marks back
                 batch = None
             # An optimizer step is a step (fadiag_steps_total) even with no attention measured;
             # so is a manual one whose attention all ran unmeasured (flex in a compiled graph).
