@@ -161,3 +161,29 @@ def test_with_python_marks_on_cpu_the_tap_keeps_its_own_timer_and_still_times_th
     assert tap.backward_starts() == 2
     assert all(r.calls[0].backward_seconds > 0 for r in s.history())
     assert tap.timers["cpu"].marks_in_use() == 0
+
+
+def test_a_fault_joining_the_tap_records_drops_those_calls_and_training_goes_on(monkeypatch,
+                                                                               caplog):
+    s = fadiag.attach(port=0, tap="on")
+    tap = s.recorder.tap
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    F.scaled_dot_product_attention(q, q, q).sum().backward()  # learn the signature
+    fadiag.step()
+    assert s.flush(10)
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("join bug")
+
+    monkeypatch.setattr(tap, "calls", broken)
+    for _ in range(2):
+        F.scaled_dot_product_attention(q, q, q).sum().backward()
+        fadiag.step()
+    assert s.flush(10)  # resolved, not waiting for marks no call will ever get
+    assert s.errors == 2  # each failed join counted ...
+    logged = [r for r in caplog.records if "internal error in resolver.tap" in r.getMessage()]
+    assert len(logged) == 1  # ... and logged once
+    # The steps are reported, each saying what it could not measure.
+    assert [len(r.calls) for r in s.history()] == [1, 0, 0]
+    assert [r.unmeasured.get("unrecorded", 0) for r in s.history()] == [0, 1, 1]
+    assert s.recorder.unmeasured_totals()["unrecorded"] == 2

@@ -198,10 +198,7 @@ class StepBoundaries:
         """What unmeasured_totals() gained since the last boundary (reasons that moved). The
         tap's records become calls on the resolver thread, which adds to the step what it drops
         (ClosedStep.take_tap): those reasons are not read here."""
-        totals = self.unmeasured_totals()
-        for reason in _RESOLVER_COUNTS:
-            if reason in totals:
-                totals[reason] = self._unmeasured_seen.get(reason, 0)
+        totals = {k: v for k, v in self.unmeasured_totals().items() if k not in _RESOLVER_COUNTS}
         before, self._unmeasured_seen = self._unmeasured_seen, totals
         return {k: v - before.get(k, 0) for k, v in totals.items() if v != before.get(k, 0)}
 

@@ -160,11 +160,18 @@ class Resolver:
 
     def _try_resolve(self, step: ClosedStep) -> bool:
         """Report `step` if the device has passed every mark it needs; False to look again."""
-        if step.tap is not None:
+        tap = step.tap
+        if tap is not None:
             try:
                 step.take_tap()
-            except Exception as e:  # its linked calls stay unmarked: not timed, marks given back
+            except Exception as e:  # its linked calls stay unmarked: not timed
                 self._on_error("resolver.tap", e)
+                lost = [c for c in step.calls if c.link and c.fwd0 is None]
+                for c in lost:
+                    c.aborted = True
+                if lost:
+                    step.unmeasured["unrecorded"] = step.unmeasured.get("unrecorded", 0) + len(lost)
+                    tap.unrecorded += len(lost)
         calls: list[Call] = []
         untimed: list[Call] = []  # calls that raised or were never learned
         for c in step.calls:
