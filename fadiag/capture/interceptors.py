@@ -191,7 +191,7 @@ class Interceptors:
                     "code is not measured; eager code is measured as usual", why)
 
     def uninstall_tap(self) -> None:
-        """Restore the ops' own kernels (the recorder no longer drains the tap)."""
+        """Restore the ops' own kernels (the recorder no longer cuts the tap's records)."""
         tap, self.recorder.tap = self.recorder.tap, None
         if tap is not None:
             try:
