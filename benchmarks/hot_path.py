@@ -3,7 +3,8 @@
 SDPA calls on tiny inputs, forward only and forward + backward, a step every 6 calls, steps closed
 but never resolved (the resolver's share is `overhead.py`'s fadiag vs fadiag_no_report). Three whole-call figures
 (plain; the floor: a Python wrapper with one C++ mark before the op and one C++ `finish` after it;
-fadiag), the Python and C calls fadiag makes per measured call, each piece of Python's path
+fadiag, its learned calls timed by the dispatcher tap; fadiag with the wrapper's own marks), the
+Python and C calls fadiag makes per measured call, each piece of Python's path
 timed alone (best of 5), and `Recorder.begin` whole as the steady state runs it (the C++ fast
 path where it is built). Native marks are used on every device kind. Usage:
 
@@ -33,8 +34,8 @@ from fadiag.capture.ops import OPS  # noqa: E402
 from fadiag.steps import recorder  # noqa: E402
 
 
-def attach(native_setting: str, every_n_steps: int = 1):
-    session = fadiag.attach(port=0, native=native_setting, every_n_steps=every_n_steps)
+def attach(native_setting: str, every_n_steps: int = 1, tap: str = "on"):
+    session = fadiag.attach(port=0, native=native_setting, every_n_steps=every_n_steps, tap=tap)
     # Closed steps are never resolved; their marks go back to the pool at once (on the
     # training thread, so that cost is in the figures) and no step makes new events.
     session.resolver.submit = release_marks
@@ -91,8 +92,9 @@ def main() -> None:
     per_call_us(q, 300)
     fadiag.detach()
     original, floor = floor_wrapper(ext.Marks(kind == "cuda"))
-    # fadiag_unsampled: every call on a step that sampling skips (the wrapper's early way out).
-    variants = ("plain", "floor", "fadiag", "fadiag_python", "fadiag_unsampled")
+    # fadiag: learned calls timed by the tap; fadiag_wrapper: the wrapper's C++ marks and hooks
+    # (no tap); fadiag_unsampled: every call on a step that sampling skips (the early way out).
+    variants = ("plain", "floor", "fadiag", "fadiag_wrapper", "fadiag_python", "fadiag_unsampled")
     whole: dict[tuple[str, bool], list[float]] = collections.defaultdict(list)
     for _ in range(args.repeats):
         for backward in (False, True):
@@ -101,7 +103,8 @@ def main() -> None:
                     F.scaled_dot_product_attention = floor
                 elif v != "plain":
                     attach("off" if v == "fadiag_python" else "on",
-                           10**9 if v == "fadiag_unsampled" else 1)
+                           10**9 if v == "fadiag_unsampled" else 1,
+                           "off" if v in ("fadiag_wrapper", "fadiag_python") else "on")
                 per_call_us(q, 60, backward)
                 whole[v, backward].append(per_call_us(q, args.calls, backward))
                 F.scaled_dot_product_attention = original

@@ -160,6 +160,7 @@ MARKS_SEEN: dict[str, set[str]] = {}
 
 
 def release_marks(step) -> None:
+    step.drop_tap()  # the tap's records: their marks back, no calls made (the resolver's work)
     for c in step.calls:
         c.timer.release(c.fwd0, c.fwd1, c.bwd0, c.bwd1)
 

@@ -189,3 +189,22 @@ def test_a_fault_joining_the_tap_records_drops_those_calls_and_training_goes_on(
     assert [len(r.calls) for r in s.history()] == [1, 0, 0]
     assert [r.unmeasured.get("unrecorded", 0) for r in s.history()] == [0, 1, 1]
     assert s.recorder.unmeasured_totals()["unrecorded"] == 2
+
+
+def test_a_step_the_resolver_drops_gives_back_the_marks_of_its_tap_records(monkeypatch):
+    s = fadiag.attach(port=0, tap="on", native="on")
+    timer = s.devices.timer("cpu")
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    F.scaled_dot_product_attention(q, q, q).sum().backward()  # learn the signature
+    fadiag.step()
+    assert s.flush(10)
+
+    def broken(step):
+        raise RuntimeError("window bug")
+
+    monkeypatch.setattr(s.resolver, "_await_window", lambda: broken(None))
+    F.scaled_dot_product_attention(q, q, q).sum().backward()  # linked: its marks are the tap's
+    fadiag.step()
+    assert s.flush(10)
+    assert s.errors >= 1 and len(s.history()) == 1  # dropped, counted
+    assert timer.marks_in_use() == 0  # the cut's four marks came back

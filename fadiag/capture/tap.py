@@ -265,6 +265,10 @@ class Tap:
         out = self._compiled(compiled, call_class)
         return out, self.no_grad - before, missing
 
+    def release(self, batch: Any) -> None:
+        """Give back every mark of a cut that will not be resolved (its step dropped)."""
+        self._tap.release(batch)
+
     def discard(self, batch: Any, call_class: Any) -> None:
         """A cut in which nothing trained (evaluation, steps.record_no_grad off), on the training
         thread: its forwards counted as no_grad and their marks given back."""

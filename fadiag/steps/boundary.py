@@ -47,6 +47,12 @@ class ClosedStep:
         self.cpu_wait: float | None = None
         """Host-clock steps: the process's share of runnable time spent waiting for a CPU."""
 
+    def drop_tap(self) -> None:
+        """The step will not be resolved: the marks of its cut of the tap's records given back."""
+        tap, batch, self.tap, self.tap_batch = self.tap, self.tap_batch, None, None
+        if tap is not None and batch is not None:
+            tap.release(batch)
+
     def take_tap(self) -> None:
         """On the resolver thread: the tap's records into this step's calls (once)."""
         tap, batch, self.tap, self.tap_batch = self.tap, self.tap_batch, None, None

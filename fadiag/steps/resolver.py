@@ -132,7 +132,12 @@ class Resolver:
                 self._on_error("resolver", e)
                 if self._pending:
                     # A step that cannot be resolved is dropped, once, and its marks given back.
-                    self._release(self._pending.popleft().calls)
+                    dropped = self._pending.popleft()
+                    try:
+                        dropped.drop_tap()
+                    except Exception as e2:
+                        self._on_error("resolver.tap", e2)
+                    self._release(dropped.calls)
                     self._finished += 1
             with self._count_lock:
                 if self._finished == self._submitted:

@@ -148,7 +148,19 @@ class TapState {
     return records;
   }
 
-  // Records as tuples (see Tap._rows in fadiag/capture/tap.py), on the resolver thread.
+  // Every mark of `records` given back, and the records dropped: a cut that will not be resolved.
+  void release(std::vector<Record>& records) {
+    for (const Record& r : records) {
+      Pool* pool = r.cuda ? cuda_.get() : cpu_.get();
+      if (pool == nullptr) continue;
+      for (int64_t slot : {r.f0, r.f1, r.b0, r.b1}) {
+        if (slot >= 0) pool->give_back(slot);
+      }
+    }
+    records.clear();
+  }
+
+  // Records as tuples (see Tap.calls in fadiag/capture/tap.py), on the resolver thread.
   static py::list rows(const std::vector<Record>& records) {
     py::list out;
     for (const Record& r : records) {
@@ -575,6 +587,7 @@ class Tap {
   bool installed() const { return !libraries_.empty(); }
   void set_measuring(bool on) { state_->set_measuring(on); }
   Batch cut() { return Batch{state_->cut()}; }
+  void release(Batch& batch) { state_->release(batch.records); }
   py::dict counts() const { return state_->counts(); }
   int64_t oldest_open_ns() { return state_->oldest_open_ns(); }
 
@@ -630,6 +643,7 @@ void bind_tap(py::module_& m) {
       .def("installed", &Tap::installed)
       .def("set_measuring", &Tap::set_measuring)
       .def("cut", &Tap::cut)
+      .def("release", &Tap::release)
       .def("counts", &Tap::counts)
       .def("oldest_open_ns", &Tap::oldest_open_ns)
       .def_static("enter", &Tap::enter)
