@@ -170,7 +170,7 @@ class Session:
     def _on_step(self, closed: ClosedStep) -> None:
         # Host-clock timings carry every preemption: read, at the boundary, how long the
         # process waited for a CPU, so the rules can tell a busy machine from slow attention.
-        if closed.calls and closed.calls[0].timer.kind == "cpu":
+        if closed.host_clock:
             try:
                 closed.cpu_wait = self._cpu_wait.read()
             except Exception as e:

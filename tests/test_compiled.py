@@ -214,3 +214,16 @@ def test_every_tapped_mark_is_given_back_after_a_flush(measured):
     timers = s.recorder.tap.timers.values()
     assert sum(t.pool_size() for t in timers) > 0
     assert [t.marks_in_use() for t in timers] == [0] * len(timers)
+
+
+def test_compiled_cpu_steps_carry_the_process_cpu_wait_the_rules_read(monkeypatch):
+    # Their calls are the tap's, made on the resolver: the boundary still knows the step is on
+    # the host clock and reads how long the process waited for a CPU, as for eager CPU steps.
+    torch._dynamo.reset()
+    s = fadiag.attach(port=0, tap="on")
+    monkeypatch.setattr(s._cpu_wait, "read", lambda: 0.42)
+    train(torch.compile(_model()), 3, seq=SEQ, batch=BATCH)
+    assert s.flush(10)
+    steps = s.history()
+    assert [len(r.calls) for r in steps] == [LAYERS] * 3
+    assert [r.cpu_wait for r in steps] == [0.42] * 3

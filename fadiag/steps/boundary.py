@@ -53,6 +53,14 @@ class ClosedStep:
         if tap is not None and batch is not None:
             tap.release(batch)
 
+    @property
+    def host_clock(self) -> bool:
+        """Whether its timings are the host clock's: CPU calls, or only the tap's records on a
+        machine whose tap times no CUDA device."""
+        if self.calls:
+            return bool(self.calls[0].timer.kind == "cpu")
+        return self.tap_batch is not None and "cuda" not in self.tap.timers
+
     def take_tap(self) -> None:
         """On the resolver thread: the tap's records into this step's calls (once)."""
         tap, batch, self.tap, self.tap_batch = self.tap, self.tap_batch, None, None
