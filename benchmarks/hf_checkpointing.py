@@ -66,8 +66,8 @@ def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
             "recomputed_per_step": recomputed / max(1, len(session.history()[3:])),
             "ratio_min": min(medians.values()), "ratio_max": max(medians.values()),
             "per_site": medians, "flags": flags[:20],
-            "median_ms": {k: round(statistics.median(v) * 1e3, 4) for k, v in seconds.items() if v}, "tap_timed_backwards": tap_backwards,
-            "marks": session.devices.marks()}
+            "median_ms": {k: round(statistics.median(v) * 1e3, 4) for k, v in seconds.items() if v},
+            "tap_timed_backwards": tap_backwards, "marks": session.devices.marks()}
 
 
 def main() -> None:

@@ -181,8 +181,7 @@ class Interceptors:
             self._tap_unavailable(f"{type(e).__name__}: {e}")
             return
         tap.set_measuring(self.recorder.measuring)
-        self.recorder.tap = tap
-        self.recorder.tap_installed()
+        self.recorder.set_tap(tap)
         self.tap_status = "installed"
 
     def _tap_unavailable(self, why: str) -> None:
@@ -192,7 +191,8 @@ class Interceptors:
 
     def uninstall_tap(self) -> None:
         """Restore the ops' own kernels (the recorder no longer cuts the tap's records)."""
-        tap, self.recorder.tap = self.recorder.tap, None
+        tap = self.recorder.tap
+        self.recorder.set_tap(None)
         if tap is not None:
             try:
                 tap.uninstall()

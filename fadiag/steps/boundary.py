@@ -8,6 +8,7 @@ A closed step goes to the resolver with what it saw and could not measure. The R
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable
@@ -117,6 +118,8 @@ class StepBoundaries:
         self._phases: list[list[Call]] = []
         self.tap: Any = None
         """The dispatcher tap (fadiag/capture/tap.py) once installed: its calls join each step's."""
+        self._tap_timers: list[Any] = []
+        """The tap's timers that are not the devices' native ones (their backward counts too)."""
         self.pending: Callable[[], None] | None = None
         """Work for the training thread at the next boundary (installing the tap: registering
         kernels while another thread dispatches ops is not safe)."""
@@ -254,10 +257,7 @@ class StepBoundaries:
     def _native_backward_seen(self) -> bool:
         """Whether a native backward hook fired since the last look (they cannot set flags)."""
         seen = False
-        timers = self.devices.native_timers
-        if self.tap is not None:  # the tap's backward ops count there too (linked calls)
-            timers = timers + [t for t in self.tap.timers.values() if t not in timers]
-        for t in timers:
+        for t in itertools.chain(self.devices.native_timers, self._tap_timers):
             n = t.backward_starts()
             if n != t.backward_starts_seen:
                 t.backward_starts_seen = n

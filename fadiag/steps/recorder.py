@@ -211,8 +211,13 @@ class Recorder(StepBoundaries):
         tap = self.tap
         return tap is not None and (tap.shares(timer) or not getattr(timer, "native", False))
 
-    def tap_installed(self) -> None:
-        """The tap is in: learn each signature again, so that the tap times what it can."""
+    def set_tap(self, tap: Any) -> None:
+        """The tap installed (or None: removed). Each signature is learned again, so that the tap
+        times what it can, and a backward op it times on a timer of its own counts as a
+        backward seen."""
+        self.tap = tap
+        self._tap_timers = [] if tap is None else [
+            t for t in tap.timers.values() if t not in self.devices.native_timers]
         self.signatures.clear()
         self._fast = self._fast_timer = self._fast_op = None
 
