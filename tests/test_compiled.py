@@ -186,6 +186,25 @@ def test_a_tapped_op_called_directly_is_measured_with_its_backward_and_result_un
     assert call.site == "compiled#0" and call.forward_seconds > 0 and call.backward_seconds > 0
 
 
+def test_a_backward_whose_tensors_name_two_waiting_forwards_pairs_with_the_latest():
+    # As under checkpointing: the first pass's outputs are freed, the recomputation's go to the
+    # backward, and one of them can sit where the first pass had its own. The first pass's
+    # forward never gets a backward of its own; the recomputation's is the one the op serves.
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    s = fadiag.attach(port=0, tap="on")
+    first_out, first_lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, True)
+    out, _lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, True)
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        torch.ones_like(out), q, k, v, out, first_lse, 0.0, True)
+    fadiag.step()
+    assert s.flush(10)
+    (call,) = s.last_step().calls
+    assert call.site == "compiled#1" and call.backward_seconds > 0
+    assert s.recorder.unmeasured_totals()["no_grad"] == 1  # the first pass's, not trained
+    del first_out
+
+
 def test_a_tapped_forward_without_backward_is_counted_as_no_grad():
     q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
     s = fadiag.attach(port=0, tap="on")

@@ -422,18 +422,21 @@ class TapState {
       const void* lse = ptr_of(args[s.lse]);
       const void* out = ptr_of(args[s.out]);
       {
-        // By logsumexp, else by output: the first that names a forward still waiting for its
-        // backward. Under checkpointing one of them can be an address a freed tensor of an
-        // earlier recomputation had (seen on CPU: the backward's logsumexp matched the layer
-        // recomputed before it, its output the right one).
+        // The forward still waiting for its backward that either tensor names, the latest if
+        // they name two. An address can be one a freed tensor of an earlier forward had: under
+        // checkpointing, the first pass's outputs are freed and the backward receives the
+        // recomputation's (seen on CPU, compiled: the logsumexp the backward received sat where
+        // the first pass's layer 0 had its own, the output was the recomputed layer's); and the
+        // logsumexp of a layer recomputed before, whose backward ran already.
         std::lock_guard<std::mutex> lock(mu_);
         for (const void* key : {lse, out}) {
           auto found = key != nullptr ? by_ptr_.find(key) : by_ptr_.end();
           if (found == by_ptr_.end()) continue;
-          if (id == -1) id = found->second;  // kUnmeasured, or a candidate
-          if (found->second >= 0 && waiting(found->second)) {
-            id = found->second;
-            break;
+          const int64_t candidate = found->second;
+          if (candidate >= 0 && waiting(candidate)) {
+            if (id < 0 || !waiting(id) || candidate > id) id = candidate;
+          } else if (id == -1) {
+            id = candidate;  // kUnmeasured, or a forward that has its backward
           }
         }
         if (id != -1) backward_since_forward_ = true;
