@@ -603,12 +603,18 @@ def test_the_fast_path_starts_calls_exactly_as_python_does(ext, monkeypatch):
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="the fast path needs Python 3.11's frame API")
-def test_the_fast_path_is_used_for_one_native_timer_only(ext):
+def test_the_fast_path_is_used_while_one_native_timer_marks(ext):
     s = attach(native="on")
     train(GPT(layers=2), steps=3)
     assert s.recorder._fast is not None and s.recorder._fast.size() == 1
+    # A second native device kind that takes no mark (the CPU timer `native: on` adopts on a
+    # CUDA machine, for the tap): it counts no backward, so the fast path stays.
     second = NativeTimer("cpu", native.load("cpu"))
-    s.devices.native_timers.append(second)  # a second native device kind: counters differ
+    s.devices.native_timers.append(second)
+    train(GPT(layers=2), steps=2)
+    assert s.recorder._fast is not None
+    # Once it marks, two backward counters differ: the fast path, which reads one, is left.
+    second.release(second.mark())
     train(GPT(layers=2), steps=2)
     assert s.recorder._fast is None
     assert s.flush(10) and s.errors == 0

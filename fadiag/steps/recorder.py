@@ -90,7 +90,7 @@ class Recorder(StepBoundaries):
         self._config_read_at = time.monotonic()
 
     def _next_step(self) -> None:
-        if self._fast is not None and len(self.devices.native_timers) != 1:
+        if self._fast is not None and not self._sole_native(self._fast_timer):
             self._fast = self._fast_timer = None  # it watches a single timer's counter
         if time.monotonic() - self._config_read_at >= _CONFIG_EVERY_S:
             self._read_config()
@@ -184,7 +184,7 @@ class Recorder(StepBoundaries):
             if sig is None and info is None:
                 info = op.read(args, kwargs)
             elif sig is not None and op.quick is quick_sdpa and grad and not recompute:
-                self._remember(op, args, kwargs, sig)
+                self._remember(op, args, kwargs, sig, timer)
             call = Call(self._site(recompute), timer, recompute, key, info, (q, k, v))
             call.sig = sig
             if sig is not None and sig.tapped and self._linkable(timer):
@@ -222,29 +222,36 @@ class Recorder(StepBoundaries):
         self._fast = self._fast_timer = self._fast_op = None
 
     def _remember(self, op: AttentionOp, args: tuple[Any, ...], kwargs: dict[str, Any],
-                  sig: Signature) -> None:
+                  sig: Signature, timer: Any) -> None:
         """Let the C++ fast path start calls like this one (a signature Python has learned).
 
         It reads SDPA's arguments as `quick_sdpa` does, for the one op that taught it first."""
-        timers = self.devices.native_timers
-        if len(timers) != 1:  # it watches one native timer's backward counter
+        if not getattr(timer, "native", False):
+            return  # Python's marks: its own path
+        if not self._sole_native(timer):
             self._fast = self._fast_timer = None
             return
         if self._fast_op is None:
             self._fast_op = op
         if op is not self._fast_op:
             return
-        if self._fast_timer is not timers[0]:
-            self._fast_timer = timers[0]
+        if self._fast_timer is not timer:
+            self._fast_timer = timer
             # skip=2: from begin's frame past the wrapper's to its caller's, as _site does.
             sites = self.sites
-            self._fast = timers[0].fast_begin(
+            self._fast = timer.fast_begin(
                 sites.internal, sites.locations, sites.counts, Call, 2, self.max_calls,
                 _graph_task_id)
         if self._fast is not None:
             tap = self.tap
             self._fast.remember(args, kwargs, sig,
-                                bool(sig.tapped and tap is not None and tap.shares(timers[0])))
+                                bool(sig.tapped and tap is not None and tap.shares(timer)))
+
+    def _sole_native(self, timer: Any) -> bool:
+        """Whether native `timer` is the only native timer that marks anything: the fast path
+        reads one timer's backward counter to see a new micro-batch. A native timer that never
+        took a mark counted no backward (the CPU one that `native: on` adopts beside CUDA's)."""
+        return all(t is timer or t.pool_size() == 0 for t in self.devices.native_timers)
 
     def probe_forward(self, call: Call, original: Callable[..., Any], args: tuple[Any, ...],
                       kwargs: dict[str, Any]) -> Any:
