@@ -343,8 +343,8 @@ def test_a_ratio_within_the_band_measured_on_an_h200_is_info_and_says_so():
     rules = _rules(device="NVIDIA H200", backward_forward_ratio={"warmup_steps": 0})
     [flag] = rules.evaluate(_report(1, 0.01, impl="cudnn", n=2048, ratio=3.3, device="cuda",
                                     dtype="bfloat16"))
-    assert flag.severity == "info" and flag.band == "cudnn S≈2048 H200: 2.65-3.38x"
-    assert "within the 2.65-3.38x cudnn measures at S≈2048 on an H200" in flag.message
+    assert flag.severity == "info" and flag.band == "cudnn S≈2048 H200: 2.65-3.48x"
+    assert "within the 2.65-3.48x cudnn measures at S≈2048 on an H200" in flag.message
     assert "this is the kernel, not a fault" in flag.message
     assert "rules.backward_forward_ratio.per_impl.cudnn" in flag.message
 

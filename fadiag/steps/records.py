@@ -102,7 +102,7 @@ class Flag:
     """info: within the range measured healthy for its impl, shape and device (the kernel, not a
     fault); warning: beyond that range, or none is known; critical: a hang."""
     band: str = ""
-    """Ratio flags: the healthy range they were judged against ("cudnn S≈2048 H200: 2.65-3.38x"),
+    """Ratio flags: the healthy range they were judged against ("cudnn S≈2048 H200: 2.65-3.48x"),
     or "unknown" where none was measured (fadiag.rules.bands)."""
 
     def to_dict(self) -> dict[str, Any]:
