@@ -6,6 +6,7 @@ patched function by identity and leaves no hook, thread or port behind.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import socket
@@ -338,6 +339,21 @@ def _after_fork_in_child() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork_in_child)
+
+
+def _detach_at_exit() -> None:
+    """At interpreter exit, detach before Python finalizes: the last steps are resolved and
+    reported, and no thread of fadiag's is inside C++ with the GIL released when finalization
+    starts. (A thread that takes the GIL back then is ended by pthread_exit, whose unwinding
+    through a C++ frame aborts the process: "terminate called without an active exception",
+    exit status 134, after training that otherwise succeeded.)"""
+    try:
+        detach()
+    except Exception as e:
+        log.warning("fadiag: detach at exit failed (%r)", e)
+
+
+atexit.register(_detach_at_exit)
 
 
 def step() -> None:

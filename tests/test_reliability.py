@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import os
 import re
@@ -197,6 +198,40 @@ def test_a_killed_rank_does_not_stop_the_other_from_exporting(tmp_path):
             p.kill()
             p.wait(10)
             p.stdout.close()
+
+
+EXIT_SCRIPT = textwrap.dedent("""
+    import atexit, json, sys
+    sys.path.insert(0, {root!r})
+
+
+    def after_fadiag():  # registered before fadiag's own exit handler, so it runs after it
+        print(json.dumps({{"resolver_alive": s.resolver.alive(), "reported": len(s.history())}}),
+              flush=True)
+
+
+    atexit.register(after_fadiag)
+    import fadiag
+    from tests.models import GPT, train
+
+    s = fadiag.attach(port=0, native={native!r}, **{{"exporter.enabled": False}})
+    train(GPT(layers=2), steps=5)
+    # no detach(): a script that ends after training
+""")
+
+
+@pytest.mark.parametrize("native", ["on", "off"])
+def test_a_script_that_ends_without_detach_exits_cleanly_with_every_step_reported(native, tmp_path):
+    # At exit fadiag detaches before Python finalizes: a resolver thread still waiting in C++
+    # (for a backward window, with native marks) when finalization began aborted the process
+    # with status 134, "terminate called without an active exception", in ~half the runs.
+    script = tmp_path / "train.py"
+    script.write_text(EXIT_SCRIPT.format(root=str(ROOT), native=native))
+    run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert "terminate called" not in run.stderr
+    assert json.loads(run.stdout.strip().splitlines()[-1]) == {"resolver_alive": False,
+                                                                 "reported": 5}
 
 
 SOURCES = sorted((ROOT / "fadiag").rglob("*.py"))

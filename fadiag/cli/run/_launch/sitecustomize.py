@@ -108,7 +108,8 @@ def overrides(environ: Mapping[str, str]) -> dict[str, Any]:
 
 
 def attach() -> None:
-    """attach(), tell `fadiag run` where the metrics are, detach at exit; never raise."""
+    """attach() and tell `fadiag run` where the metrics are (fadiag detaches at exit); never
+    raise."""
     pending = sys.modules.get("fadiag")
     if pending is not None and not hasattr(pending, "attach"):
         # The program imported fadiag first, and torch is being imported by fadiag's own
@@ -116,12 +117,9 @@ def attach() -> None:
         pending._attach_when_imported = attach  # type: ignore[attr-defined]
         return
     try:
-        import atexit
-
         import fadiag
 
         session = fadiag.attach(**overrides(os.environ))
-        atexit.register(fadiag.detach)
         _announce(session)
     except Exception as e:
         sys.stderr.write(f"fadiag: could not attach in process {os.getpid()} "
