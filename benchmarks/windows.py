@@ -110,14 +110,12 @@ def side_by_side(calls: list[dict[str, Any]], ops: list[dict[str, Any]]) -> dict
     """Forward calls against forward ops, and backward against backward ops, both in order."""
     fwd_ops = [o for o in ops if not o["op"].endswith("_backward")]
     bwd_ops = [o for o in ops if o["op"].endswith("_backward")]
-    # Backward ops run in reverse layer order within a step; calls hold each call's backward.
     rows = [{"site": c["site"], "recompute": c["recompute"], "fadiag_forward_ms": c["forward_ms"],
              "cupti_forward_ms": o["device_ms"]} for c, o in zip(calls, fwd_ops)]
     by_step: dict[int, list[dict[str, Any]]] = {}
     for c in calls:
-        if not c["recompute"]:
-            by_step.setdefault(c["step"], []).append(c)
-    bwd_calls = [c for s in sorted(by_step) for c in reversed(by_step[s])]
+        by_step.setdefault(c["step"], []).append(c)
+    bwd_calls = [c for s in sorted(by_step) for c in backward_order(by_step[s])]
     brows = [{"site": c["site"], "fadiag_backward_ms": c["backward_ms"], "cupti_backward_ms": o["device_ms"]}
              for c, o in zip(bwd_calls, bwd_ops)]
 
@@ -125,6 +123,18 @@ def side_by_side(calls: list[dict[str, Any]], ops: list[dict[str, Any]]) -> dict
             "forward_vs_cupti_median": rel(rows, "fadiag_forward_ms", "cupti_forward_ms"),
             "backward_vs_cupti_median": rel(brows, "fadiag_backward_ms", "cupti_backward_ms"),
             "forward_ops": len(fwd_ops), "forward_calls": len(calls), "kernels": fwd_ops[0]["kernels"] if fwd_ops else []}
+
+
+def backward_order(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A step's calls that carry a measured backward, in the order their backward ops ran.
+
+    A step's forwards backpropagate last first. Under checkpointing the call that carries the
+    backward is the recomputation where the tap timed it (its backward op received the
+    recomputation's tensors) and the first pass where the wrapper's hooks did; a recomputation
+    runs just before its own backward, so those are in that order already."""
+    carriers = [c for c in calls if c["backward_ms"] > 0]
+    recomputed = [c for c in carriers if c["recompute"]]
+    return recomputed if recomputed else carriers[::-1]
 
 
 def checkpointing(layers: int, dim: int, heads: int, batch: int, seq: int, mode: str | None) -> dict[str, Any]:
