@@ -18,6 +18,7 @@ import torch
 
 from ..config import Config
 from .attention_op import AttentionOp, first_tensor
+from .device import available
 from .ops import OPS, read_hf, reader_for_layout, resolve_target
 from .patcher import Patcher
 from .tap import Tap
@@ -143,7 +144,7 @@ class Interceptors:
             return
         from . import native
 
-        kind = "cuda" if torch.cuda.is_available() else "cpu"
+        kind = "cuda" if available("cuda") else "cpu"  # the tap's ops: CPU and CUDA kernels
         if mode == "on":
             ext = native.load(kind)
             if ext is None:
