@@ -70,7 +70,7 @@ def test_calibrate_measures_the_shapes_of_a_run_log(tmp_path, capsys):
 
 @pytest.mark.parametrize(("argv", "message"), [
     (["--shape", "16x32x1024"], "argument --shape: expected BxHxSxD or BxHxSqxSkxD"),
-    (["--shape", "1x2x64x16", "--margin", "2"], "argument --margin: expected a fraction 0..1"),
+    (["--shape", "1x2x64x16", "--margin", "2"], "argument --margin: expected a number in [0, 1] like 0.1"),
     (["--shape", "1x2x64x16", "--backends", "flashy"], "argument --backends: unknown impl flashy"),
     ([], "argument --from/--shape: give a run log (--from) or at least one --shape"),
 ])

@@ -4,6 +4,7 @@ argument's name, e.g. ``argument --steps: expected an integer >= 0, got -1``."""
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
@@ -25,15 +26,29 @@ def integer(minimum: int) -> Callable[[str], int]:
     return parse
 
 
-def probability(text: str) -> float:
-    """A number in [0, 1), as a dropout probability."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
-    if not 0.0 <= value < 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {value}")
-    return value
+def number_in(low: float, high: float, *, low_open: bool = False, high_open: bool = False,
+              like: str | None = None) -> Callable[[str], float]:
+    """A float in the interval from `low` to `high`, each end closed unless said open, e.g.
+    ``expected a number in (0, 1], got '2'``."""
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}{')' if high_open else ']'}"
+    hint = f" like {like}" if like else ""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        inside = ((low < value if low_open else low <= value)
+                  and (value < high if high_open else value <= high))
+        if not inside:
+            raise argparse.ArgumentTypeError(f"expected a number in {interval}{hint}, got {text!r}")
+        return value
+
+    return parse
+
+
+probability = number_in(0.0, 1.0, high_open=True)
+"""A number in [0, 1), as a dropout probability."""
 
 
 def port(text: str) -> int:

@@ -53,16 +53,6 @@ def backend_list(text: str) -> tuple[str, ...]:
 
 
 
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a number in (0, 1], got {text!r}")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "bench",
@@ -94,7 +84,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="untimed iterations first (default 5)")
     p.add_argument("--mha", action="store_true",
                    help="also time nn.MultiheadAttention need_weights=False vs True (fwd+bwd)")
-    p.add_argument("--memory-fraction", type=_fraction, default=0.9,
+    p.add_argument("--memory-fraction", type=_args.number_in(0.0, 1.0, low_open=True), default=0.9,
                    help="skip the math path where its estimated peak exceeds this fraction "
                         "of free memory (default 0.9)")
     p.add_argument("--out", metavar="DIR", type=_args.output_dir, default=None,

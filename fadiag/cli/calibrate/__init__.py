@@ -32,16 +32,6 @@ def shape_spec(text: str) -> tuple[int, int, int, int, int]:
     return (g[0], g[1], g[2], g[2], g[3]) if len(g) == 4 else (g[0], g[1], g[2], g[3], g[4])
 
 
-def _margin(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = -1.0
-    if not 0.0 <= value <= 1.0:
-        raise argparse.ArgumentTypeError(f"expected a fraction 0..1 like 0.1, got {text!r}")
-    return value
-
-
 def add_parser(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser(
         "calibrate",
@@ -69,7 +59,7 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
                    help="default: cuda if available, else cpu")
     p.add_argument("--steps", type=_args.integer(3), default=20,
                    help="measured steps per shape and impl (default 20)")
-    p.add_argument("--margin", type=_margin, default=0.1,
+    p.add_argument("--margin", type=_args.number_in(0.0, 1.0, like="0.1"), default=0.1,
                    help="added to the healthy maximum, as a fraction (default 0.1)")
     p.add_argument("-o", "--output", type=_args.output_file, required=True,
                    help="YAML configuration to write (fadiag.attach(PATH) loads it)")
