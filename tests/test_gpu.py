@@ -6,6 +6,7 @@ Run on the GPU machine with ``python -m pytest -m gpu tests/test_gpu.py``; CI ha
 from __future__ import annotations
 
 import statistics
+import sys
 
 import pytest
 import torch
@@ -62,6 +63,21 @@ def test_the_default_setting_uses_the_native_marks_once_they_are_loaded(native_m
     assert session.flush(30)
     timer = session.devices.timer("cuda")
     assert timer.native and session.devices.native_timers == [timer]
+    assert session.last_step().backward_seconds > 0 and session.errors == 0
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the fast path needs Python 3.11's frame API")
+def test_native_on_keeps_the_fast_path_beside_the_cpu_timer_the_tap_adopts(native_marks_built):
+    """`native: on` with the tap: the CPU native timer is adopted for the tap's CPU records and
+    takes no mark here; learned CUDA calls still start in C++ (not Python's path)."""
+    session = attach("tap")
+    assert {t.kind for t in session.devices.native_timers} == {"cpu", "cuda"}
+    q = torch.randn(2, 4, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    for _ in range(4):
+        F.scaled_dot_product_attention(q, q, q).sum().backward()
+        fadiag.step()
+    assert session.flush(30)
+    assert session.recorder._fast is not None
     assert session.last_step().backward_seconds > 0 and session.errors == 0
 
 
