@@ -54,7 +54,12 @@ def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
             for s in r.sites():
                 if s.ratio is not None:
                     per_site.setdefault(s.site, []).append(s.ratio)
-        flags = [(f.rule, f.severity, round(f.value, 2)) for r in session.history() for f in r.flags]
+        # Each flag with its step and worst site, and each read step's per-site ratios: a flag
+        # on one step among steady ones can then be traced to the site and step that raised it.
+        flags = [(f.rule, f.severity, round(f.value, 2), f.step, f.message)
+                 for r in session.history() for f in r.flags]
+        by_step = {r.step: {s.site: round(s.ratio, 3) for s in r.sites() if s.ratio is not None}
+                   for r in session.history()}
         tap = session.recorder.tap
         tap_backwards = tap.backward_starts() if tap is not None else 0  # calls the tap timed
     finally:
@@ -65,7 +70,7 @@ def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
     return {"sites": len(medians), "calls_per_step": calls / max(1, len(session.history()[3:])),
             "recomputed_per_step": recomputed / max(1, len(session.history()[3:])),
             "ratio_min": min(medians.values()), "ratio_max": max(medians.values()),
-            "per_site": medians, "flags": flags[:20],
+            "per_site": medians, "flags": flags[:20], "ratios_by_step": by_step,
             "median_ms": {k: round(statistics.median(v) * 1e3, 4) for k, v in seconds.items() if v},
             "tap_timed_backwards": tap_backwards, "marks": session.devices.marks()}
 
