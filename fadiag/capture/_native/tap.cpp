@@ -424,10 +424,10 @@ class TapState {
       {
         // The forward still waiting for its backward that either tensor names, the latest if
         // they name two. An address can be one a freed tensor of an earlier forward had: under
-        // checkpointing, the first pass's outputs are freed and the backward receives the
-        // recomputation's (seen on CPU, compiled: the logsumexp the backward received sat where
-        // the first pass's layer 0 had its own, the output was the recomputed layer's); and the
-        // logsumexp of a layer recomputed before, whose backward ran already.
+        // checkpointing the first pass's outputs are freed (that pass never gets a backward) and
+        // the backward receives the recomputation's (seen on CPU, compiled: layer 1's backward
+        // named the first pass's layer 0, which the older rule, the first waiting forward found,
+        // took); or the logsumexp of a layer recomputed before, whose backward ran already.
         std::lock_guard<std::mutex> lock(mu_);
         for (const void* key : {lse, out}) {
           auto found = key != nullptr ? by_ptr_.find(key) : by_ptr_.end();
