@@ -72,9 +72,21 @@ class ClosedStep:
             return
         compiled, no_grad, unrecorded = tap.calls(batch, Call, linked)
         self.calls.extend(compiled)
-        for reason, n in (("no_grad", no_grad), ("unrecorded", unrecorded)):
-            if n:
-                self.unmeasured[reason] = self.unmeasured.get(reason, 0) + n
+        self._count("no_grad", no_grad)
+        self._count("unrecorded", unrecorded)
+
+    def lose_linked(self, tap: Any) -> None:
+        """`take_tap` failed: the linked calls it did not mark are not timed, and counted as
+        unrecorded (in the step and the tap's totals)."""
+        lost = [c for c in self.calls if c.link and c.fwd0 is None]
+        for c in lost:
+            c.aborted = True
+        self._count("unrecorded", len(lost))
+        tap.unrecorded += len(lost)
+
+    def _count(self, reason: str, n: int) -> None:
+        if n:
+            self.unmeasured[reason] = self.unmeasured.get(reason, 0) + n
 
 
 class StepBoundaries:

@@ -171,12 +171,7 @@ class Resolver:
                 step.take_tap()
             except Exception as e:  # its linked calls stay unmarked: not timed
                 self._on_error("resolver.tap", e)
-                lost = [c for c in step.calls if c.link and c.fwd0 is None]
-                for c in lost:
-                    c.aborted = True
-                if lost:
-                    step.unmeasured["unrecorded"] = step.unmeasured.get("unrecorded", 0) + len(lost)
-                    tap.unrecorded += len(lost)
+                step.lose_linked(tap)
         calls: list[Call] = []
         untimed: list[Call] = []  # calls that raised or were never learned
         for c in step.calls:
