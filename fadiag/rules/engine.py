@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import Counter, deque
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from ..config import RulesConfig
 from ..memory import scores_bytes
@@ -24,6 +24,12 @@ TOTAL = "*"
 """The `site` of a flag about a whole step."""
 CLEAR_AFTER = 3
 """Calm evaluations (steps, or hang checks) before an open episode is cleared."""
+
+
+def fastest_ratio(window: Sequence[tuple[float, float]]) -> float:
+    """The fastest backward over the fastest forward of (forward, backward) seconds: how the
+    ratio rule judges host-clock timings over a window of steps (Rules._judged_ratio)."""
+    return min(b for _, b in window) / min(f for f, _ in window)
 
 
 class Rules:
@@ -133,7 +139,7 @@ class Rules:
         recent.append((forward, backward))
         if len(recent) < n:
             return None
-        return min(b for _, b in recent) / min(f for f, _ in recent)
+        return fastest_ratio(recent)
 
     def _ratio(self, report: StepReport, sites: list[SiteSummary]) -> dict[tuple[str, str], Flag]:
         cfg = self.cfg.backward_forward_ratio

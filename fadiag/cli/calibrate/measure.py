@@ -18,6 +18,7 @@ import fadiag
 
 from ...config.schema import RatioRuleConfig
 from ...errors import FadiagError
+from ...rules.engine import fastest_ratio
 from ...steps.records import StepReport
 
 WINDOW = RatioRuleConfig().host_window_steps
@@ -76,8 +77,7 @@ class Measured:
         if not self.seconds:
             return statistics.median(self.ratios)
         n = min(WINDOW, len(self.seconds))
-        return max(min(b for _, b in w) / min(f for f, _ in w)
-                   for w in (self.seconds[i:i + n] for i in range(len(self.seconds) - n + 1)))
+        return max(fastest_ratio(self.seconds[i:i + n]) for i in range(len(self.seconds) - n + 1))
 
 
 def shapes_from_run(steps: Iterable[StepReport]) -> dict[tuple[str, Shape], None]:
