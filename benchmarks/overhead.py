@@ -252,17 +252,29 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int) -> dic
             var_t.append(b)
             ratios.append(b / a - 1.0)
         q = statistics.quantiles(ratios, n=4)
+        lo, hi = median_ci95(ratios)
         key = v if v != "plain" else "plain_vs_plain"
         out[key] = {
             "overhead_median": statistics.median(ratios), "overhead_q1": q[0], "overhead_q3": q[2],
+            "median_ci95": [lo, hi],
             "plain_ms": statistics.median(plain_t) * 1e3, "variant_ms": statistics.median(var_t) * 1e3,
         }
         if v in MARKS_SEEN:
             out[key]["marks"] = sorted(MARKS_SEEN.pop(v))
         print(f"{model_name:13s} {v:16s} {statistics.median(ratios) * 100:+7.2f} % "
-              f"(IQR {q[0] * 100:+.2f} .. {q[2] * 100:+.2f}); plain {statistics.median(plain_t) * 1e3:.2f} ms"
+              f"(95 % CI {lo * 100:+.2f} .. {hi * 100:+.2f}; IQR {q[0] * 100:+.2f} .. {q[2] * 100:+.2f}); "
+              f"plain {statistics.median(plain_t) * 1e3:.2f} ms"
               + (f"; marks {','.join(out[key]['marks'])}" if "marks" in out[key] else ""), flush=True)
     return out
+
+
+def median_ci95(values: list[float]) -> tuple[float, float]:
+    """A distribution-free 95 % confidence interval of the median (order statistics): two
+    variants whose intervals overlap are not told apart by this run."""
+    xs = sorted(values)
+    n = len(xs)
+    k = max(0, int((n - 1.96 * n ** 0.5) / 2))
+    return xs[k], xs[n - 1 - k]
 
 
 def host_cost_per_call(n: int = 2000) -> dict:

@@ -10,6 +10,7 @@ import atexit
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 import uuid
@@ -177,7 +178,7 @@ class Session:
             except Exception as e:
                 self._error("cpu wait", e)
         self.resolver.submit(closed)
-        if not self.capture.hf_wrapped:
+        if not self.capture.hf_wrapped and "transformers.modeling_utils" in sys.modules:
             try:
                 self.capture.wrap_transformers()
             except Exception as e:

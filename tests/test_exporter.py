@@ -108,6 +108,22 @@ def test_per_site_series_are_capped():
                                      {"rank": "0", "impl": "flash", "site": "other"}) == 3
 
 
+def test_calls_whose_windows_may_hold_host_time_are_counted_by_impl():
+    registry = CollectorRegistry()
+    metrics = Metrics(rank=0, registry=registry)
+    kw = dict(site="m.py:1#0", shape=(2, 16, 2048, 2048, 128), dtype="bfloat16", causal=True,
+              device="cuda", forward_seconds=1e-4, backward_seconds=3e-4)
+    calls = [CallRecord(impl="cudnn", backward_host_seconds=1e-4, **kw),   # host-bound
+             CallRecord(impl="cudnn", backward_host_seconds=1e-6, **kw),   # 0.3 %: device work
+             CallRecord(impl="flash", forward_host_seconds=2e-5, **kw)]    # host-bound
+    metrics.emit(StepReport(step=1, forward_seconds=3e-4, backward_seconds=9e-4, kept_bytes=None,
+                            standard_bytes=0, peak_bytes=None, calls=calls))
+    value = registry.get_sample_value
+    assert value("fadiag_attention_host_bound_calls_total", {"rank": "0", "impl": "cudnn"}) == 1
+    assert value("fadiag_attention_host_bound_calls_total", {"rank": "0", "impl": "flash"}) == 1
+    assert value("fadiag_attention_calls_total", {"rank": "0", "impl": "cudnn"}) == 2
+
+
 def test_flags_are_counted_once_per_episode_and_active_while_open():
     registry = CollectorRegistry()
     metrics = Metrics(rank=3, registry=registry)

@@ -181,6 +181,8 @@ def test_forward_and_backward_within_5_percent_of_cupti_kernel_time(backend, s, 
         fadiag.step()
         assert session.flush(30)
         call = session.last_step().calls[0]
+        # The device is 2 ms ahead of the host at each window's start: device work alone.
+        assert (call.forward_host_seconds, call.backward_host_seconds) == (0.0, 0.0), call
         ours_f.append(call.forward_seconds)
         ours_b.append(call.backward_seconds)
         ref_f.append(f)
@@ -192,6 +194,42 @@ def test_forward_and_backward_within_5_percent_of_cupti_kernel_time(backend, s, 
           f" vs {statistics.median(ref_b)*1e3:.3f} ms ({rb:.3f})")
     assert 0.95 <= rf <= 1.05
     assert 0.95 <= rb <= 1.05
+
+
+@pytest.mark.parametrize("compiled", [False, True])
+def test_the_tap_marks_windows_on_a_starved_device_host_bound_and_on_a_busy_one_not(compiled):
+    """A device idle when the op is queued (a synchronize before each call and each backward)
+    waits inside the window for the host's launches: the window may hold host time, the call is
+    host-bound and the ratio rule leaves it. A device kept 2 ms ahead: no host time at all."""
+    session = fadiag.attach(port=0, tap="on")
+    q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    sdpa = F.scaled_dot_product_attention
+    attention = torch.compile(lambda x: sdpa(x, x, x)) if compiled else (lambda x: sdpa(x, x, x))
+
+    def busy():
+        out = attention(GpuBusy.apply(q))
+        GpuBusy.apply(out).backward(torch.ones_like(out))
+
+    def starved():
+        torch.cuda.synchronize()
+        out = attention(q)
+        torch.cuda.synchronize()
+        out.backward(torch.ones_like(out))
+
+    for step in [busy] * 6 + [starved] * 6:
+        step()
+        fadiag.step()
+    assert session.flush(30)
+    history = [r for r in session.history() if r.calls and not r.calls[0].probe]
+    busy_calls = [c for r in history[:-6] for c in r.calls]
+    starved_calls = [c for r in history[-6:] for c in r.calls]
+    assert busy_calls and len(starved_calls) == 6
+    assert all((c.forward_host_seconds, c.backward_host_seconds) == (0.0, 0.0) for c in busy_calls)
+    for c in starved_calls:
+        assert c.host_bound and c.forward_host_seconds > 0 and c.backward_host_seconds > 0, c
+        assert c.backward_seconds > 0  # measured still: an upper bound, reported as such
+    assert session.rules.host_bound_calls >= 6
+    fadiag.detach()
 
 
 @pytest.mark.parametrize("backend", ["flash", "cudnn"])

@@ -521,3 +521,38 @@ def test_the_ratio_rule_judges_a_checkpointed_site_by_its_kernel_not_its_starved
     # A backward really 1.5x slow is flagged whichever window the forward pass read.
     [flag] = _raised(rules, [_checkpointed_report(4, 0.146e-3, 0.083e-3, 1.5 * 0.271e-3)])
     assert flag.rule == "backward_forward_ratio" and flag.value == pytest.approx(1.5 * 0.271 / 0.083)
+
+
+def test_a_call_whose_windows_may_hold_host_time_is_not_judged_by_the_ratio_rule(caplog):
+    # A starved device: the backward window may hold 0.2 ms of the host's launches (the tap saw
+    # the device past the window's start before the op was queued whole), so its 5x says nothing
+    # of the kernel. Counted, said once; the device-bound step beside it is judged as before.
+    rules = _rules(device="NVIDIA H200", backward_forward_ratio={"warmup_steps": 0})
+    starved = _report(1, 0.6e-3, impl="cudnn", n=2048, ratio=5.0, device="cuda", dtype="bfloat16")
+    starved.calls[0].backward_host_seconds = 0.2e-3
+    assert starved.calls[0].host_bound and starved.host_bound_calls == 1
+    with caplog.at_level(logging.INFO, logger="fadiag"):
+        assert _raised(rules, [starved]) == []
+        again = _report(2, 0.6e-3, impl="cudnn", n=2048, ratio=5.0, device="cuda", dtype="bfloat16")
+        again.calls[0].forward_host_seconds = 0.05e-3  # a forward window: a ratio too small
+        assert _raised(rules, [again]) == []
+    assert rules.host_bound_calls == 2
+    assert sum("may hold host time" in r.getMessage() for r in caplog.records) == 1
+    # Host time under 5 % of the window: device-bound, judged.
+    slight = _report(3, 0.6e-3, impl="cudnn", n=2048, ratio=5.0, device="cuda", dtype="bfloat16")
+    slight.calls[0].backward_host_seconds = 0.01e-3
+    assert not slight.calls[0].host_bound
+    [flag] = _raised(rules, [slight])
+    assert flag.rule == "backward_forward_ratio" and flag.value == pytest.approx(5.0)
+    assert rules.host_bound_calls == 2
+
+
+def test_a_checkpointed_site_whose_forward_pass_was_host_bound_is_judged_on_its_recomputation():
+    # The forward pass starved (its window may hold host time); the recomputation of the same
+    # kernel and the backward it carries are device work: the site is judged on those two.
+    rules = _rules(device="NVIDIA H200", backward_forward_ratio={"warmup_steps": 0})
+    report = _checkpointed_report(1, 0.146e-3, 0.083e-3, 1.5 * 0.271e-3)
+    report.calls[0].forward_host_seconds = 0.07e-3
+    [flag] = _raised(rules, [report])
+    assert flag.value == pytest.approx(1.5 * 0.271 / 0.083)
+    assert rules.host_bound_calls == 1

@@ -217,6 +217,11 @@ class Tap:
         c["unrecorded"] = self.unrecorded
         return c
 
+    def counted(self) -> int:
+        """A number that grows whenever a reason `counts()` reads grows, except the resolver's
+        own (no_grad, unrecorded): a cheap test, at each step boundary, that nothing moved."""
+        return int(self._tap.counted()) + self.cuda_graph_calls
+
     def shares(self, timer: Any) -> bool:
         """Whether the tap's marks for `timer`'s device are `timer`'s own (one pool)."""
         return self.timers.get(timer.kind) is timer
@@ -259,6 +264,7 @@ class Tap:
                 continue
             call.timer = self.timers["cuda" if r[17] else "cpu"]
             call.fwd0, call.fwd1, call.bwd0, call.bwd1 = r[1], r[2], r[3], r[4]
+            call.idle = (r[19], r[20])
         self.unrecorded += missing
         self._forget_later()
         before = self.no_grad
@@ -317,7 +323,7 @@ class Tap:
         calls = []
         for phase, n, r in named:
             (op_i, f0, f1, b0, b1, shape, dv, kvh, dtype, device, _index, causal, dropout,
-             _scale, recompute, _, kept, cuda, _link) = r
+             _scale, recompute, _, kept, cuda, _link, f_idle, b_idle) = r
             timer = self.timers["cuda" if cuda else "cpu"]
             if not recompute and (phase, n) not in backward_by_site and not record_no_grad:
                 self.no_grad += 1
@@ -336,6 +342,7 @@ class Tap:
             call = call_class(f"{SITE}#{n}", timer, recompute, None, None, None)
             call.sig = sig
             call.fwd0, call.fwd1, call.bwd0, call.bwd1 = f0, f1, b0, b1
+            call.idle = (f_idle, b_idle)
             calls.append(call)
         return calls
 

@@ -93,6 +93,7 @@ class Metrics(Sink):
         self._step = Histogram()
         self._sites: set[str] = set()
         self._calls: dict[str, int] = {}
+        self._host_bound: dict[str, int] = {}
         self._flags = dict.fromkeys(RULES, 0)
         self._flag_active: dict[str, dict[str, str]] = {r: {} for r in RULES}  # site -> severity
         self._uninstrumented: dict[str, int] = {}
@@ -120,6 +121,8 @@ class Metrics(Sink):
                         h = self._fwd[labels] = Histogram()
                     h.observe(c.forward_seconds)
                     self._calls[c.impl] = self._calls.get(c.impl, 0) + 1
+                if c.host_bound:
+                    self._host_bound[c.impl] = self._host_bound.get(c.impl, 0) + 1
                 if c.backward_seconds > 0.0:
                     h = self._bwd.get(labels)
                     if h is None:
@@ -162,6 +165,7 @@ class Metrics(Sink):
             bwd = {k: (h.buckets(), h.sum) for k, h in self._bwd.items()}
             step = (self._step.buckets(), self._step.sum)
             calls = dict(self._calls)
+            host_bound = dict(self._host_bound)
             flags = dict(self._flags)
             active = {r: set(s.values()) for r, s in self._flag_active.items()}
             unins = dict(self._uninstrumented)
@@ -186,6 +190,14 @@ class Metrics(Sink):
         c = CounterMetricFamily("fadiag_attention_calls", "Measured attention calls by backend.",
                                 labels=["rank", "impl"])
         for impl, n in sorted(calls.items()):
+            c.add_metric([r, impl], n)
+        yield c
+        c = CounterMetricFamily("fadiag_attention_host_bound_calls",
+                                "Measured attention calls whose device window may hold host time "
+                                "(the device had caught up and waited for the host to queue the "
+                                "op): their seconds are an upper bound, and the ratio rule does "
+                                "not judge them.", labels=["rank", "impl"])
+        for impl, n in sorted(host_bound.items()):
             c.add_metric([r, impl], n)
         yield c
         c = CounterMetricFamily("fadiag_attention_uninstrumented_calls",

@@ -65,6 +65,9 @@ class Rules:
         """Host-clock steps a timing rule did not judge, by rule: the process's threads waited
         for a CPU more than the rule's max_cpu_wait of their runnable time."""
         self._contended_warned: set[str] = set()
+        self.host_bound_calls = 0
+        """Calls the ratio rule left unjudged: their device windows may hold host time."""
+        self._host_bound_warned = False
         # (observed / expected, observed - expected - allowed) of the last three judged steps:
         # ratios, so steps of different keys (shapes a run alternates between) compare.
         self._recent: deque[tuple[float, float]] = deque(maxlen=3)
@@ -79,9 +82,17 @@ class Rules:
         self._evaluated += 1
         conditions: dict[tuple[str, str], Flag] = {}
         # Timing rules judge the steady state: not the calls that learned a signature.
-        steady = summarize([c for c in report.calls if not c.probe])
+        calls = [c for c in report.calls if not c.probe]
+        steady = summarize(calls)
         if self.cfg.backward_forward_ratio.enabled:
-            conditions.update(self._ratio(report, steady))
+            # Nor, for the ratio, calls whose device windows may hold host time: a starved
+            # device's windows measure the host's launches, not the kernel.
+            device_bound = [c for c in calls if not c.host_bound]
+            if len(device_bound) < len(calls):
+                self._host_bound(len(calls) - len(device_bound), len(calls), report.step)
+                conditions.update(self._ratio(report, summarize(device_bound)))
+            else:
+                conditions.update(self._ratio(report, steady))
         if self.cfg.memory_savings.enabled:
             conditions.update(self._memory(report, report.sites()))
         if self.cfg.regression.enabled:
@@ -306,6 +317,15 @@ class Rules:
         if ("regression", TOTAL) in self.active and over:
             return {("regression", TOTAL): self.active[("regression", TOTAL)]}
         return {}
+
+    def _host_bound(self, n: int, of: int, step: int) -> None:
+        self.host_bound_calls += n
+        if not self._host_bound_warned:
+            self._host_bound_warned = True
+            log.info("fadiag: step %d rank %d: %d of %d attention calls ran on a device that had "
+                     "caught up with the host (it waited for the host to queue them), so their "
+                     "windows may hold host time; the ratio rule does not judge such calls "
+                     "(counted in fadiag_attention_host_bound_calls_total)", step, self.rank, n, of)
 
     def _contended(self, rule: str, step: int, wait: float | None,
                    limit: float) -> dict[tuple[str, str], Flag]:

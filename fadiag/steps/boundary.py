@@ -123,7 +123,7 @@ class StepBoundaries:
         self.python_hooks = False
         """Set once the C++ backward hooks were seen not to fire (see boundary): Python's from then on."""
         self._native_hooked = 0  # calls of the open step whose backward the C++ hooks time
-        self._native_starts = 0  # the native timers' backward starts when the step opened
+        self._native_starts = 0  # the native timers' backward starts at its first such call
         self._unseen_steps = 0
         self.optimizer_seen = False
         self.fallback_mode = False
@@ -136,6 +136,7 @@ class StepBoundaries:
         """Work for the training thread at the next boundary (installing the tap: registering
         kernels while another thread dispatches ops is not safe)."""
         self._unmeasured_seen: dict[str, int] = {}
+        self._unmeasured_moved = 0
 
     def _sampled(self, index: int) -> bool:
         return self.every_n_steps <= 1 or index % self.every_n_steps == 0
@@ -203,10 +204,12 @@ class StepBoundaries:
             for t in self.devices.native_timers:
                 t.reset_in_backward()
             self.step_index += 1
+            was = self.measuring
             self.measuring = self.enabled and self._sampled(self.step_index)
-            if tap is not None:
+            if tap is not None and self.measuring != was:
                 tap.set_measuring(self.measuring)
-            self._run_pending()
+            if self.pending is not None:
+                self._run_pending()
             self._next_step()
             if closed is not None:  # an unsampled step has nothing to resolve
                 self._on_step(closed)
@@ -227,6 +230,14 @@ class StepBoundaries:
         """What unmeasured_totals() gained since the last boundary (reasons that moved). The
         tap's records become calls on the resolver thread, which adds to the step what it drops
         (ClosedStep.take_tap): those reasons are not read here."""
+        # Every count only grows, so an unchanged sum means none moved: the common step reads
+        # one sum instead of building the totals.
+        tap = self.tap
+        moved = (self.sampled_out + self.over_cap + self.other_device
+                 + sum(self.unmeasured.values()) + (tap.counted() if tap is not None else 0))
+        if moved == self._unmeasured_moved:
+            return {}
+        self._unmeasured_moved = moved
         totals = {k: v for k, v in self.unmeasured_totals().items() if k not in _RESOLVER_COUNTS}
         before, self._unmeasured_seen = self._unmeasured_seen, totals
         return {k: v - before.get(k, 0) for k, v in totals.items() if v != before.get(k, 0)}
@@ -256,7 +267,11 @@ class StepBoundaries:
 
     def _step_device(self) -> int | None:
         """The current device of the step's accelerator, as this step's calls saw it."""
-        timer = next((c.timer for c in self.calls if c.timer.kind != "cpu"), None)
+        timer = None
+        for c in self.calls:
+            if c.timer.kind != "cpu":
+                timer = c.timer
+                break
         if timer is None and self.tap is not None:  # compiled code's calls only
             timer = self.tap.timers.get("cuda")
         try:
@@ -284,15 +299,20 @@ class StepBoundaries:
         the backward ran where C++ hooks are not called (compiled autograd switched on around
         `backward()` alone, which the forward cannot see), or it never reached attention. After
         a few such steps in a row, later calls get Python hooks, which compiled autograd runs."""
-        timers = self.devices.native_timers
-        starts = sum(t.backward_starts() for t in timers)
-        if source == "optimizer" and self._native_hooked:
-            self._unseen_steps = self._unseen_steps + 1 if starts == self._native_starts else 0
+        if not self._native_hooked:  # no call of this step was hooked in C++
+            return
+        if source == "optimizer":
+            unseen = self.native_backward_starts() == self._native_starts
+            self._unseen_steps = self._unseen_steps + 1 if unseen else 0
             if self._unseen_steps == _UNSEEN_STEPS and not self.python_hooks:
                 self.python_hooks = True
                 log.warning("fadiag: the C++ backward hooks did not fire in %d optimizer steps "
                             "(compiled autograd around backward(), or attention outputs unused "
                             "by the loss); attention backward is timed with Python hooks from now "
                             "on", _UNSEEN_STEPS)
-        self._native_starts = starts
         self._native_hooked = 0
+
+    def native_backward_starts(self) -> int:
+        """Backward starts the native timers' C++ hooks counted (cumulative). The per-call half
+        reads it at a step's first hooked call, so a boundary can tell whether any fired."""
+        return sum(t.backward_starts() for t in self.devices.native_timers)

@@ -90,7 +90,8 @@ class Recorder(StepBoundaries):
         self._config_read_at = time.monotonic()
 
     def _next_step(self) -> None:
-        if self._fast is not None and not self._sole_native(self._fast_timer):
+        if (self._fast is not None and len(self.devices.native_timers) > 1
+                and not self._sole_native(self._fast_timer)):
             self._fast = self._fast_timer = None  # it watches a single timer's counter
         if time.monotonic() - self._config_read_at >= _CONFIG_EVERY_S:
             self._read_config()
@@ -134,7 +135,8 @@ class Recorder(StepBoundaries):
                     raise
                 finally:
                     rec.depth -= 1
-                rec.end(call, op, out)
+                if not call.link:  # a linked call's marks are the tap's
+                    rec.end(call, op, out)
                 return out
             finally:
                 if tap is not None:
@@ -216,6 +218,7 @@ class Recorder(StepBoundaries):
         times what it can, and a backward op it times on a timer of its own counts as a
         backward seen."""
         self.tap = tap
+        self._unmeasured_moved = -1  # the next boundary reads the totals whole
         self._tap_timers = [] if tap is None else [
             t for t in tap.timers.values() if t not in self.devices.native_timers]
         self.signatures.clear()
@@ -270,8 +273,6 @@ class Recorder(StepBoundaries):
         return out
 
     def end(self, call: Call, op: AttentionOp, out: Any) -> None:
-        if call.link:
-            return
         try:
             timer, sig = call.timer, call.sig
             info, qkv = call.info, call.qkv
@@ -283,6 +284,8 @@ class Recorder(StepBoundaries):
                 # the backward.
                 call.fwd1, call.bwd0, call.bwd1 = timer.finish(op.output(out), sig.fused_path)
                 if call.bwd0 is not None:
+                    if not self._native_hooked:
+                        self._native_starts = self.native_backward_starts()
                     self._native_hooked += 1
                     return
             else:

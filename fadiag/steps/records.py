@@ -11,6 +11,8 @@ from typing import Any
 
 Shape = tuple[int, int, int, int, int]
 """(B, H, Sq, Sk, D): batch, query heads, query length, key length, head dim."""
+HOST_BOUND_SHARE = 0.05
+"""A device window is host-bound when the host time it may hold is over this share of it."""
 
 
 class Figures:
@@ -70,6 +72,20 @@ class CallRecord(Figures):
     0.5 causal), so time per computed block compares across masks; None for other ops."""
     flex: dict[str, Any] | None = None
     """flex_attention: score_mod / block_mask present, enable_gqa, kernel_options."""
+    forward_host_seconds: float = 0.0
+    backward_host_seconds: float = 0.0
+    """The host time the forward / backward window may hold: the device had reached the window's
+    start mark before the host finished queueing the op, so it may have waited for the host's
+    launches inside the window, up to this long. 0: the device was still behind the host, and
+    the window is device work alone (the dispatcher tap's windows on CUDA; 0 elsewhere)."""
+
+    @property
+    def host_bound(self) -> bool:
+        """Whether either window may hold more host time than HOST_BOUND_SHARE of it: its
+        seconds then measure the host's launches as much as the kernel (a starved device), and
+        the ratio rule does not judge the call."""
+        return (self.forward_host_seconds > HOST_BOUND_SHARE * self.forward_seconds
+                or self.backward_host_seconds > HOST_BOUND_SHARE * self.backward_seconds)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
@@ -148,8 +164,11 @@ class SiteSummary(Figures):
         the kernel and whatever host time the device waited for inside it (a first pass starved
         by checkpointing's own Python reads up to 1.8x the kernel; BENCHMARKS.md), never less,
         so the faster of the two is the ratio's forward."""
-        if self.recomputes == self.calls and self.recompute_forward_seconds > 0.0:
-            return min(self.forward_seconds, self.recompute_forward_seconds)
+        if self.recomputes and self.recompute_forward_seconds > 0.0:
+            if not self.calls:  # the first pass's calls left out (host-bound): the recomputation's
+                return self.recompute_forward_seconds
+            if self.recomputes == self.calls:
+                return min(self.forward_seconds, self.recompute_forward_seconds)
         return self.forward_seconds
 
     @property
@@ -199,6 +218,11 @@ class StepReport(Figures):
     @property
     def attention_seconds(self) -> float:
         return self.forward_seconds + self.backward_seconds
+
+    @property
+    def host_bound_calls(self) -> int:
+        """Calls whose device windows may hold host time (CallRecord.host_bound)."""
+        return sum(1 for c in self.calls if c.host_bound)
 
     @property
     def ratio_forward_seconds(self) -> float:

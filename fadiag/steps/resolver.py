@@ -53,18 +53,14 @@ class Resolver:
         self._native_timers = native_timers
         self._tap = tap
         """The dispatcher tap now installed, or None (its uncut records, for the hang check)."""
-        self._queue: queue.SimpleQueue[ClosedStep] = queue.SimpleQueue()
-        self._pending: collections.deque[ClosedStep] = collections.deque()
+        self._queue: queue.SimpleQueue[ClosedStep | threading.Event] = queue.SimpleQueue()
+        """Closed steps in order, and flush()'s markers among them: a marker is set once every
+        step submitted before it is resolved or dropped (so submit() takes no lock)."""
+        self._pending: collections.deque[ClosedStep | threading.Event] = collections.deque()
         self._stop = threading.Event()
-        self._idle = threading.Event()
-        self._idle.set()
         self._hurry = threading.Event()
         """Set by flush(): someone waits for the results, so nothing is deferred."""
         self._wake = threading.Event()
-        self._count_lock = threading.Lock()
-        self._submitted = 0
-        self._finished = 0
-        """Steps resolved or dropped; idle when it equals the steps submitted."""
         self._mem_before: dict[str, dict[str, int]] = {}
         self._process = psutil.Process()
         self._rss: int | None = None
@@ -77,9 +73,6 @@ class Resolver:
 
     def submit(self, step: ClosedStep) -> None:
         """Hand over a closed step; it wakes nothing (the thread looks every _BATCH_S)."""
-        with self._count_lock:
-            self._submitted += 1
-            self._idle.clear()
         self._queue.put(step)
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -91,13 +84,16 @@ class Resolver:
             self._thread.join(timeout)
 
     def flush(self, timeout: float = 5.0) -> bool:
-        """Wait until every submitted step is resolved; True if it happened in time."""
+        """Wait until every step submitted so far is resolved; True if it happened in time."""
         if not self._thread.is_alive():
-            return self._finished == self._submitted
+            return self._queue.empty() and not any(
+                isinstance(s, ClosedStep) for s in self._pending)
+        done = threading.Event()
+        self._queue.put(done)
         self._hurry.set()
         self._wake.set()
         try:
-            return self._idle.wait(timeout)
+            return done.wait(timeout)
         finally:
             self._hurry.clear()
 
@@ -119,11 +115,15 @@ class Resolver:
                 pass
             try:
                 while self._pending:
+                    head = self._pending[0]
+                    if isinstance(head, threading.Event):  # a flush() waiting for the steps before
+                        head.set()
+                        self._pending.popleft()
+                        continue
                     self._await_window()
-                    if not self._try_resolve(self._pending[0]):
+                    if not self._try_resolve(head):
                         break
                     self._pending.popleft()
-                    self._finished += 1
                 now = time.monotonic()
                 if now >= self._next_tick:
                     self._next_tick = now + _TICK_S
@@ -133,15 +133,14 @@ class Resolver:
                 if self._pending:
                     # A step that cannot be resolved is dropped, once, and its marks given back.
                     dropped = self._pending.popleft()
-                    try:
-                        dropped.drop_tap()
-                    except Exception as e2:
-                        self._on_error("resolver.tap", e2)
-                    self._release(dropped.calls)
-                    self._finished += 1
-            with self._count_lock:
-                if self._finished == self._submitted:
-                    self._idle.set()
+                    if isinstance(dropped, ClosedStep):
+                        try:
+                            dropped.drop_tap()
+                        except Exception as e2:
+                            self._on_error("resolver.tap", e2)
+                        self._release(dropped.calls)
+                    else:
+                        dropped.set()
 
     def _await_window(self) -> None:
         """With native marks, wait for a backward window before resolving a step.
@@ -153,15 +152,22 @@ class Resolver:
         back. The wait holds no GIL; it gives up _DEFER_S after the oldest pending step closed
         (evaluation, the end of training, a long step), or when flush() or stop() asks.
         """
-        timers = self._native_timers()
-        if not timers:
+        t = self._window_timer()
+        if t is None:
             return
-        t = timers[-1]
-        deadline = self._pending[0].closed + _DEFER_S
+        head = self._pending[0]
+        assert isinstance(head, ClosedStep)
+        deadline = head.closed + _DEFER_S
         while not (self._stop.is_set() or self._hurry.is_set() or t.window()):
             left = deadline - time.monotonic()
             if left <= 0 or t.wait_window(min(left, _BATCH_S)):
                 return
+
+    def _window_timer(self) -> Any:
+        """The native timer whose backward window to wait for: the accelerator's where it takes
+        marks (`native: on` on CUDA also adopts a CPU timer, whose window never opens there)."""
+        timers = [t for t in self._native_timers() if t.pool_size()]
+        return next((t for t in timers if t.kind != "cpu"), timers[0] if timers else None)
 
     def _try_resolve(self, step: ClosedStep) -> bool:
         """Report `step` if the device has passed every mark it needs; False to look again."""
@@ -225,6 +231,7 @@ class Resolver:
                 standard_bytes=sig.standard_bytes, peak_bytes=sig.peak_bytes,
                 recompute=c.recompute, interceptor=sig.interceptor,
                 fallback_reason=sig.fallback_reason, probe=c.probe, forward_only=sig.forward_only,
+                forward_host_seconds=c.idle[0] * 1e-9, backward_host_seconds=c.idle[1] * 1e-9,
                 **(c.extra.resolve() if c.extra is not None else {})))
             bwd += b
             if c.recompute:
@@ -270,7 +277,8 @@ class Resolver:
         oldest = 0
         calls = self._open_calls()
         for step in list(self._pending):
-            calls.extend(step.calls)
+            if isinstance(step, ClosedStep):
+                calls.extend(step.calls)
         for c in calls:
             if c.aborted or (c.link and c.fwd0 is None):  # the tap's until resolved: below
                 continue

@@ -196,6 +196,7 @@ class Pool {
     return s == nullptr ? 0 : s->generation.load(std::memory_order_acquire);
   }
 
+  bool cuda() const { return cuda_; }
   int64_t events_created() const { return created_.load(); }
   int64_t errors() const { return errors_.load(); }
   int64_t backward_starts() const { return backward_starts_.load(); }

@@ -29,6 +29,7 @@
 #include <torch/extension.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <chrono>
 #include <limits>
 #include <map>
@@ -93,7 +94,17 @@ struct Record {
   bool cuda = false;
   int64_t link = 0;     // the Python wrapper's number for this call; 0: compiled code's call
   int64_t host_ns = 0;  // steady clock at the forward (the hang check's age of a call)
+  // Host ns the forward / backward window may hold: the device had passed the window's start
+  // mark before the host finished queueing the op, so it may have waited for the host inside
+  // the window up to this long (0: the device was behind the host; the window is device work).
+  int64_t fi = 0, bi = 0;
 };
+
+int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
 
 constexpr size_t kMaxPairs = 1 << 16;  // pairing entries kept between drains, at most
 constexpr int64_t kUnmeasured = -2;  // a forward measured by Python, or not at all: its backward too
@@ -172,7 +183,8 @@ class TapState {
           py::make_tuple(r.b, r.h, r.sq, r.sk, r.d), r.dv, r.kv_heads, dtype,
           c10::DeviceTypeName(r.device_type, /*lower_case=*/true), r.device_index, r.causal,
           r.dropout, r.scale, r.recompute, r.phase,
-          r.kept < 0 ? py::object(py::none()) : py::object(py::int_(r.kept)), r.cuda, r.link));
+          r.kept < 0 ? py::object(py::none()) : py::object(py::int_(r.kept)), r.cuda, r.link,
+          r.fi, r.bi));
     }
     return out;
   }
@@ -189,6 +201,13 @@ class TapState {
       if (open && (oldest < 0 || r.host_ns < oldest)) oldest = r.host_ns;
     }
     return oldest;
+  }
+
+  // The sum of the reasons counted (not backwards, not errors): unchanged means none moved, so
+  // the training thread's step boundary reads one integer where nothing was lost.
+  int64_t counted() const {
+    return sampled_.load() + over_cap_.load() + captured_.load() + unpaired_.load() +
+           other_device_.load() + unreadable_.load();
   }
 
   py::dict counts() const {
@@ -230,19 +249,33 @@ class TapState {
   }
 #endif
 
-  // The original kernel between two marks: (start, end). The op's own error passes through,
-  // its start mark given back.
-  static std::pair<int64_t, int64_t> timed(Pool* pool, const c10::SafeKernelFunction& original,
-                                           const c10::OperatorHandle& op,
-                                           c10::DispatchKeySet ks, torch::jit::Stack* stack) {
+  // The original kernel between two marks: (start, end, host ns the window may hold; see
+  // Record::fi). The op's own error passes through, its start mark given back.
+  static std::tuple<int64_t, int64_t, int64_t> timed(Pool* pool,
+                                                     const c10::SafeKernelFunction& original,
+                                                     const c10::OperatorHandle& op,
+                                                     c10::DispatchKeySet ks,
+                                                     torch::jit::Stack* stack) {
     const int64_t start = pool->take_marked();
+    const int64_t queued = pool->cuda() ? steady_ns() : 0;
     try {
       original.callBoxed(op, ks, stack);
     } catch (...) {
       pool->give_back(start);
       throw;
     }
-    return {start, pool->take_marked()};
+    const int64_t end = pool->take_marked();
+    int64_t idle = 0;
+    if (pool->cuda()) {
+      // One event query: had the device reached the start mark before the op was queued whole?
+      // Then it may have waited for the host's launches inside the window, at most this long.
+      try {
+        if (pool->done(start)) idle = std::max<int64_t>(steady_ns() - queued, 1);
+      } catch (...) {
+        idle = 0;  // a failed query says nothing; the resolver's own queries report errors
+      }
+    }
+    return {start, end, idle};
   }
 
   // Shape, dtype and flags from the arguments; false when they cannot be read.
@@ -332,10 +365,8 @@ class TapState {
     }
 #endif
     r.recompute = torch::autograd::get_current_graph_task_id() != -1;
-    r.host_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                    std::chrono::steady_clock::now().time_since_epoch())
-                    .count();
-    std::tie(r.f0, r.f1) = timed(pool, original, op, ks, stack);
+    r.host_ns = steady_ns();
+    std::tie(r.f0, r.f1, r.fi) = timed(pool, original, op, ks, stack);
     try {
       auto results = torch::jit::last(*stack, nrets);
       Ptr p{ptr_of(results[s.out]), ptr_of(results[s.lse])};
@@ -473,12 +504,13 @@ class TapState {
     backwards_.fetch_add(1);
     pool->backward_seen();  // a backward ran: the recorder's next forward starts a micro-batch
     pool->tap_window(true);
-    const auto [b0, b1] = timed(pool, original, op, ks, stack);
+    const auto [b0, b1, bi] = timed(pool, original, op, ks, stack);
     std::lock_guard<std::mutex> lock(mu_);
     if (waiting(id)) {
       Record& r = records_[static_cast<size_t>(id - first_id_)];
       r.b0 = b0;
       r.b1 = b1;
+      r.bi = bi;
       r.kept = kept;
       if (--waiting_ <= 0) pool->tap_window(false);  // the last awaited backward op of the pass
     } else {  // drained already, or a second backward through a retained graph
@@ -592,6 +624,7 @@ class Tap {
   Batch cut() { return Batch{state_->cut()}; }
   void release(Batch& batch) { state_->release(batch.records); }
   py::dict counts() const { return state_->counts(); }
+  int64_t counted() const { return state_->counted(); }
   int64_t oldest_open_ns() { return state_->oldest_open_ns(); }
 
   // A call of the Python wrapper: the ops it reaches pass through unless it is linked.
@@ -648,6 +681,7 @@ void bind_tap(py::module_& m) {
       .def("cut", &Tap::cut)
       .def("release", &Tap::release)
       .def("counts", &Tap::counts)
+      .def("counted", &Tap::counted)
       .def("oldest_open_ns", &Tap::oldest_open_ns)
       .def_static("enter", &Tap::enter)
       .def_static("exit", &Tap::exit)
