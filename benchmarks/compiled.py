@@ -156,6 +156,9 @@ def measured(make_step, steps: int, warm: int = 3) -> dict:
             "forward_seconds_per_step": statistics.median(r.forward_seconds for r in reports),
             "backward_seconds_per_step": statistics.median(r.backward_seconds for r in reports),
             "ratio_per_step": statistics.median(r.ratio or 0.0 for r in reports),
+            # Calls whose windows may hold host time (the device had nothing queued when the op
+            # began): their seconds are an upper bound on the kernels'.
+            "host_bound_calls_per_step": statistics.median(r.host_bound_calls for r in reports),
             "kept_bytes": calls[0].kept_bytes if calls else None,
             "standard_bytes": calls[0].standard_bytes if calls else None,
             "unmeasured_last_step": reports[-1].unmeasured,

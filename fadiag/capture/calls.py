@@ -77,8 +77,8 @@ class Call:
         self.link = 0
         """Non-zero: the dispatcher tap times this call; its record carries this number."""
         self.idle: tuple[int, int] = (0, 0)
-        """Host ns its forward and backward windows may hold (the tap's, on CUDA): the device had
-        passed the window's start before the host finished queueing the op (0: it had not)."""
+        """Host ns its forward and backward windows may hold (the tap's, on CUDA): the device's
+        stream had nothing left to run when the op began to be queued (0: it was still busy)."""
 
 
 def learn(call: Call, op: AttentionOp, info: CallInfo, node: Any) -> Signature:

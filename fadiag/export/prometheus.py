@@ -194,9 +194,9 @@ class Metrics(Sink):
         yield c
         c = CounterMetricFamily("fadiag_attention_host_bound_calls",
                                 "Measured attention calls whose device window may hold host time "
-                                "(the device had caught up and waited for the host to queue the "
-                                "op): their seconds are an upper bound, and the ratio rule does "
-                                "not judge them.", labels=["rank", "impl"])
+                                "(the device had nothing left to run when the op began to be "
+                                "queued, and waited for its launches): their seconds are an upper "
+                                "bound, and the ratio rule does not judge them.", labels=["rank", "impl"])
         for impl, n in sorted(host_bound.items()):
             c.add_metric([r, impl], n)
         yield c

@@ -323,7 +323,7 @@ class Rules:
         if not self._host_bound_warned:
             self._host_bound_warned = True
             log.info("fadiag: step %d rank %d: %d of %d attention calls ran on a device that had "
-                     "caught up with the host (it waited for the host to queue them), so their "
+                     "nothing left to run (it waited for the host to queue them), so their "
                      "windows may hold host time; the ratio rule does not judge such calls "
                      "(counted in fadiag_attention_host_bound_calls_total)", step, self.rank, n, of)
 

@@ -74,10 +74,11 @@ class CallRecord(Figures):
     """flex_attention: score_mod / block_mask present, enable_gqa, kernel_options."""
     forward_host_seconds: float = 0.0
     backward_host_seconds: float = 0.0
-    """The host time the forward / backward window may hold: the device had reached the window's
-    start mark before the host finished queueing the op, so it may have waited for the host's
-    launches inside the window, up to this long. 0: the device was still behind the host, and
-    the window is device work alone (the dispatcher tap's windows on CUDA; 0 elsewhere)."""
+    """The host time the forward / backward window may hold: the device's stream had nothing left
+    to run when the op began to be queued, so the device passed the window's start at once and
+    waited inside it for the op's launches, up to this long (the host's time to queue the op).
+    0: the device was still busy with earlier work, and the window is device work (the
+    dispatcher tap's windows on CUDA; 0 elsewhere)."""
 
     @property
     def host_bound(self) -> bool:

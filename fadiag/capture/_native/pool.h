@@ -164,6 +164,26 @@ class Pool {
     return false;
   }
 
+  // Whether the current stream of the current device has nothing left to run (a stream query;
+  // no synchronisation): a mark taken now is passed at once, and the device then waits for
+  // whatever the host queues next. False for the CPU pool, and where the query fails.
+  bool stream_idle() {
+    if (!cuda_) return false;
+#ifdef FADIAG_CUDA
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    cudaStream_t stream =
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+    const cudaError_t r = cudaStreamQuery(stream);
+    if (r == cudaSuccess) return true;
+    cudaGetLastError();
+#endif
+    return false;
+  }
+
   // Seconds between two done marks; call only after done() was true for both.
   double elapsed(int64_t a, int64_t b) {
     Slot* sa = at(a);

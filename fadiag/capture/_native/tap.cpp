@@ -94,9 +94,9 @@ struct Record {
   bool cuda = false;
   int64_t link = 0;     // the Python wrapper's number for this call; 0: compiled code's call
   int64_t host_ns = 0;  // steady clock at the forward (the hang check's age of a call)
-  // Host ns the forward / backward window may hold: the device had passed the window's start
-  // mark before the host finished queueing the op, so it may have waited for the host inside
-  // the window up to this long (0: the device was behind the host; the window is device work).
+  // Host ns the forward / backward window may hold: the device's stream had nothing left to run
+  // when the op began to be queued, so it waited for the host inside the window, up to this
+  // long (0: the device was still busy; the window is device work).
   int64_t fi = 0, bi = 0;
 };
 
@@ -256,8 +256,12 @@ class TapState {
                                                      const c10::OperatorHandle& op,
                                                      c10::DispatchKeySet ks,
                                                      torch::jit::Stack* stack) {
+    // One stream query: with nothing left to run when the op begins to be queued, the device
+    // passes the start mark at once and then waits inside the window for the op's launches,
+    // at most as long as the host takes to queue it.
+    const bool idle_at_start = pool->stream_idle();
+    const int64_t queued = idle_at_start ? steady_ns() : 0;
     const int64_t start = pool->take_marked();
-    const int64_t queued = pool->cuda() ? steady_ns() : 0;
     try {
       original.callBoxed(op, ks, stack);
     } catch (...) {
@@ -265,16 +269,7 @@ class TapState {
       throw;
     }
     const int64_t end = pool->take_marked();
-    int64_t idle = 0;
-    if (pool->cuda()) {
-      // One event query: had the device reached the start mark before the op was queued whole?
-      // Then it may have waited for the host's launches inside the window, at most this long.
-      try {
-        if (pool->done(start)) idle = std::max<int64_t>(steady_ns() - queued, 1);
-      } catch (...) {
-        idle = 0;  // a failed query says nothing; the resolver's own queries report errors
-      }
-    }
+    const int64_t idle = idle_at_start ? std::max<int64_t>(steady_ns() - queued, 1) : 0;
     return {start, end, idle};
   }
 
