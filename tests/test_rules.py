@@ -556,3 +556,40 @@ def test_a_checkpointed_site_whose_forward_pass_was_host_bound_is_judged_on_its_
     [flag] = _raised(rules, [report])
     assert flag.value == pytest.approx(1.5 * 0.271 / 0.083)
     assert rules.host_bound_calls == 1
+
+
+def test_a_backward_turning_slow_under_an_open_info_episode_raises_a_warning_at_once():
+    # A healthy cuDNN job on an H200 reads 3.3x, within the band: an info episode that never
+    # ends. Its backward turning 1.5x slow (5x) must raise the warning the alert fires on, at
+    # the first such step; back to healthy, the warning clears after CLEAR_AFTER steps and the
+    # info episode is open again.
+    from fadiag.export.prometheus import Metrics
+    from prometheus_client import CollectorRegistry
+
+    rules = _rules(device="NVIDIA H200", backward_forward_ratio={"warmup_steps": 0})
+    registry = CollectorRegistry()
+    metrics = Metrics(rank=0, registry=registry)
+
+    def step(i, ratio):
+        out = rules.evaluate(_report(i, 0.6e-3, impl="cudnn", n=2048, ratio=ratio, device="cuda",
+                                     dtype="bfloat16"))
+        for f in out:
+            metrics.flag(f)
+        return [(f.severity, f.cleared) for f in out]
+
+    def active(severity):
+        return registry.get_sample_value("fadiag_flag_active", {
+            "rank": "0", "rule": "backward_forward_ratio", "severity": severity})
+
+    assert step(1, 3.3) == [("info", False)]
+    assert [step(i, 3.3) for i in (2, 3, 4)] == [[], [], []]
+    assert step(5, 5.0) == [("warning", False)]
+    assert (active("warning"), active("info")) == (1.0, 0.0)
+    assert [step(i, 5.0) for i in (6, 7)] == [[], []]  # one episode, not a flag a step
+    # Healthy again: the warning ends after CLEAR_AFTER milder steps, then info is open again.
+    assert [step(i, 3.3) for i in (8, 9)] == [[], []]
+    assert step(10, 3.3) == [("warning", True), ("info", False)]
+    assert (active("warning"), active("info")) == (0.0, 1.0)
+    # A warning hovering at the band's edge is one episode: one milder step does not end it.
+    assert step(11, 5.0) == [("warning", False)]
+    assert [step(12, 3.3), step(13, 5.0), step(14, 3.3), step(15, 5.0)] == [[], [], [], []]

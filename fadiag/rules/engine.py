@@ -24,6 +24,8 @@ TOTAL = "*"
 """The `site` of a flag about a whole step."""
 CLEAR_AFTER = 3
 """Calm evaluations (steps, or hang checks) before an open episode is cleared."""
+_RANK = {"info": 0, "warning": 1, "critical": 2}
+"""Severities in order: a condition above its open episode's raises a flag at once."""
 
 
 def fastest_ratio(window: Sequence[tuple[float, float]]) -> float:
@@ -104,29 +106,42 @@ class Rules:
 
     def _episodes(self, conditions: dict[tuple[str, str], Flag], rules: Iterable[str],
                   step: int) -> list[Flag]:
+        """Flags raised and cleared by this evaluation's conditions, one per episode.
+
+        A condition of higher severity than its open episode raises a flag at once (a healthy
+        cuDNN job on an H200 holds an `info` ratio episode open for good; its backward turning
+        1.5x slow must still raise the warning). A lower one ends the episode only after
+        CLEAR_AFTER such evaluations, and then opens its own, so a value at a band's edge is one
+        episode, not a flag every other step."""
         out = []
         for key, flag in conditions.items():
-            if key not in self.active:
+            old = self.active.get(key)
+            if old is None or _RANK.get(flag.severity, 0) > _RANK.get(old.severity, 0):
                 self.active[key] = flag
                 out.append(flag)
         rules = tuple(rules)
         for key in list(self.active):
             if key[0] not in rules:
                 continue
-            if key in conditions:
+            flag = conditions.get(key)
+            old = self.active[key]
+            if flag is not None and _RANK.get(flag.severity, 0) >= _RANK.get(old.severity, 0):
                 self._calm.pop(key, None)
                 continue
-            # An episode ends after CLEAR_AFTER calm evaluations, so a value hovering at the
-            # threshold is one episode, not a flag every other step.
+            # An episode ends after CLEAR_AFTER calm (or milder) evaluations, so a value hovering
+            # at the threshold is one episode, not a flag every other step.
             self._calm[key] = self._calm.get(key, 0) + 1
             if self._calm[key] < CLEAR_AFTER:
                 continue
             del self._calm[key]
-            old = self.active.pop(key)
+            del self.active[key]
             out.append(Flag(rule=old.rule, value=old.value, threshold=old.threshold, step=step,
                             site=old.site, message=f"cleared: {old.rule} at {old.site}",
                             impl=old.impl, shape=old.shape, rank=self.rank, cleared=True,
                             severity=old.severity, band=old.band))
+            if flag is not None:  # milder, and lasting: its own episode from here
+                self.active[key] = flag
+                out.append(flag)
         return out
 
     def _judged_ratio(self, key: object, forward: float, backward: float,
