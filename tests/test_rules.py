@@ -593,3 +593,20 @@ def test_a_backward_turning_slow_under_an_open_info_episode_raises_a_warning_at_
     # A warning hovering at the band's edge is one episode: one milder step does not end it.
     assert step(11, 5.0) == [("warning", False)]
     assert [step(12, 3.3), step(13, 5.0), step(14, 3.3), step(15, 5.0)] == [[], [], [], []]
+
+
+def test_low_savings_a_short_sequence_explains_is_info_and_a_math_fallback_a_warning():
+    # Flash at Sk=32 with head dim 64 keeps its output, a large share of standard attention's
+    # memory at that length: the message says "expected, not a fault", so the flag says info.
+    rules = _rules(device="NVIDIA H200")
+    def low(impl):  # savings 60 %
+        report = _report(1, 1e-3, impl=impl, n=32, device="cuda", dtype="bfloat16")
+        report.calls[0].shape = (1, 2, 32, 32, 64)
+        report.calls[0].kept_bytes = report.kept_bytes = 4_000
+        return report
+
+    [flag] = _rules(device="NVIDIA H200").evaluate(low("flash"))
+    assert flag.rule == "memory_savings" and flag.severity == "info"
+    assert "expected, not a fault" in flag.message
+    [flag] = _rules(device="NVIDIA H200").evaluate(low("math"))
+    assert flag.severity == "warning" and "math path" in flag.message

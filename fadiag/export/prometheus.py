@@ -36,7 +36,7 @@ BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.0
 """10 µs to 10 s: a fused kernel at short S up to a whole step of math-path attention."""
 
 RULES = ("backward_forward_ratio", "memory_savings", "regression", "hang")
-SEVERITIES = {"backward_forward_ratio": ("info", "warning"), "memory_savings": ("warning",),
+SEVERITIES = {"backward_forward_ratio": ("info", "warning"), "memory_savings": ("info", "warning"),
               "regression": ("warning",), "hang": ("critical",)}
 """The severities each rule's flags take: the label values of fadiag_flag_active."""
 OTHER_SITE = "other"

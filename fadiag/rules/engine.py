@@ -16,7 +16,7 @@ from ..memory import scores_bytes
 from ..steps.records import Flag, SiteSummary, StepReport, ratio, summarize
 from .bands import band_for
 from .baseline import Baseline
-from .messages import band_label, memory_advice, ratio_advice, site_text
+from .messages import band_label, memory_advice, memory_expected, ratio_advice, site_text
 
 log = logging.getLogger("fadiag")
 
@@ -96,7 +96,9 @@ class Rules:
             else:
                 conditions.update(self._ratio(report, steady))
         if self.cfg.memory_savings.enabled:
-            conditions.update(self._memory(report, report.sites()))
+            # Memory is judged on every call (a probe's kept bytes are its signature's).
+            all_sites = steady if len(calls) == len(report.calls) else report.sites()
+            conditions.update(self._memory(report, all_sites))
         if self.cfg.regression.enabled:
             conditions.update(self._regression(report, steady))
         out = self._episodes(conditions, rules=("backward_forward_ratio", "memory_savings",
@@ -226,7 +228,8 @@ class Rules:
                            if worst is not None and c.site == worst.site and c.fallback_reason), None)
             out[("memory_savings", TOTAL)] = self._flag(
                 "memory_savings", m, cfg.threshold, report.step, TOTAL, worst,
-                memory_advice(m, cfg.threshold, worst, reason, len(under), len(sites)))
+                memory_advice(m, cfg.threshold, worst, reason, len(under), len(sites)),
+                severity="info" if under and all(map(memory_expected, under)) else "warning")
         elif self.cfg.per_site:
             for s in under:
                 assert s.memory_savings is not None
@@ -234,7 +237,8 @@ class Rules:
                                if c.site == s.site and c.fallback_reason), None)
                 out[("memory_savings", s.site)] = self._flag(
                     "memory_savings", s.memory_savings, cfg.threshold, report.step, s.site, s,
-                    memory_advice(s.memory_savings, cfg.threshold, s, reason, None, len(sites)))
+                    memory_advice(s.memory_savings, cfg.threshold, s, reason, None, len(sites)),
+                    severity="info" if memory_expected(s) else "warning")
         for s, value, message in _unfused_flex(report, sites, cfg.threshold):
             site = s.site if self.cfg.per_site else TOTAL
             out.setdefault(("memory_savings", site), self._flag(

@@ -73,8 +73,15 @@ def ratio_advice(value: float, threshold: float, s: SiteSummary, site_value: flo
     return head + where + known + why
 
 
+def memory_expected(s: SiteSummary | None) -> bool:
+    """Whether a fused kernel's savings are low by the shape alone: at a short sequence with a
+    large head dim the output it must keep is a large share of standard attention's memory
+    (D / (D + 2S) of the model), so the flag is `info`, not a fault."""
+    return s is not None and s.impl != "math" and s.shape[4] * 2 >= s.shape[3]
+
+
 def memory_advice(m: float, threshold: float, s: SiteSummary | None, reason: str | None,
-                   n_under: int | None, n_sites: int) -> str:
+                  n_under: int | None, n_sites: int) -> str:
     head = f"memory savings {m:.1%} < {threshold:.0%}"
     where = site_text(s, n_under, n_sites)
     if s is None:
@@ -84,7 +91,7 @@ def memory_advice(m: float, threshold: float, s: SiteSummary | None, reason: str
                + (f": {reason}" if reason else "")
                + "; pass a bool mask or is_causal, use fp16/bf16 and a supported head dim, "
                  "or nn.MultiheadAttention(need_weights=False)")
-    elif s.shape[4] * 2 >= s.shape[3]:
+    elif memory_expected(s):
         why = (f" — short sequence (Sk={s.shape[3]}) with head dim {s.shape[4]}: the output itself "
                "is a large share of standard attention's memory; expected, not a fault")
     else:
