@@ -598,7 +598,6 @@ def test_a_backward_turning_slow_under_an_open_info_episode_raises_a_warning_at_
 def test_low_savings_a_short_sequence_explains_is_info_and_a_math_fallback_a_warning():
     # Flash at Sk=32 with head dim 64 keeps its output, a large share of standard attention's
     # memory at that length: the message says "expected, not a fault", so the flag says info.
-    rules = _rules(device="NVIDIA H200")
     def low(impl):  # savings 60 %
         report = _report(1, 1e-3, impl=impl, n=32, device="cuda", dtype="bfloat16")
         report.calls[0].shape = (1, 2, 32, 32, 64)
