@@ -1,7 +1,8 @@
 """The rules: backward/forward ratio, memory savings, regression against a baseline, hang.
 
-Each rule looks at a resolved StepReport (or the hang age) and keeps episodes: a flag is raised
-when its condition starts and cleared when it ends, so a sink hears of a problem once.
+Each rule looks at a resolved StepReport (or the hang age) and says which conditions hold;
+episodes.py keeps the episodes: a flag is raised when a condition starts (or grows graver) and
+cleared when it ends, so a sink hears of a problem once.
 """
 
 from __future__ import annotations
@@ -9,12 +10,13 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 
 from ..config import RulesConfig
 from ..memory import scores_bytes
 from ..steps.records import Flag, SiteSummary, StepReport, ratio, summarize
 from .bands import band_for
+from .episodes import Episodes
 from .baseline import Baseline
 from .messages import band_label, memory_advice, memory_expected, ratio_advice, site_text
 
@@ -22,10 +24,6 @@ log = logging.getLogger("fadiag")
 
 TOTAL = "*"
 """The `site` of a flag about a whole step."""
-CLEAR_AFTER = 3
-"""Calm evaluations (steps, or hang checks) before an open episode is cleared."""
-_RANK = {"info": 0, "warning": 1, "critical": 2}
-"""Severities in order: a condition above its open episode's raises a flag at once."""
 
 
 def fastest_ratio(window: Sequence[tuple[float, float]]) -> float:
@@ -50,7 +48,9 @@ class Rules:
         self.device = device
         self.rank = rank
         self.baseline = baseline
-        self.active: dict[tuple[str, str], Flag] = {}
+        self._episodes = Episodes(rank)
+        self.active = self._episodes.active
+        """Open episodes by (rule, site): the flag that opened each."""
         self.baseline_seconds: float | None = None
         """The baseline the last step was compared with (its sites, its key); None for a step
         without one (the warm-up, or a shape still in its window)."""
@@ -73,7 +73,6 @@ class Rules:
         # (observed / expected, observed - expected - allowed) of the last three judged steps:
         # ratios, so steps of different keys (shapes a run alternates between) compare.
         self._recent: deque[tuple[float, float]] = deque(maxlen=3)
-        self._calm: dict[tuple[str, str], int] = {}
         self._last_step = 0
 
     # ---- step rules ------------------------------------------------------------------------
@@ -101,49 +100,9 @@ class Rules:
             conditions.update(self._memory(report, all_sites))
         if self.cfg.regression.enabled:
             conditions.update(self._regression(report, steady))
-        out = self._episodes(conditions, rules=("backward_forward_ratio", "memory_savings",
+        out = self._episodes.update(conditions, rules=("backward_forward_ratio", "memory_savings",
                                                 "regression"), step=report.step)
         report.flags = [f for f in out if not f.cleared]
-        return out
-
-    def _episodes(self, conditions: dict[tuple[str, str], Flag], rules: Iterable[str],
-                  step: int) -> list[Flag]:
-        """Flags raised and cleared by this evaluation's conditions, one per episode.
-
-        A condition of higher severity than its open episode raises a flag at once (a healthy
-        cuDNN job on an H200 holds an `info` ratio episode open for good; its backward turning
-        1.5x slow must still raise the warning). A lower one ends the episode only after
-        CLEAR_AFTER such evaluations, and then opens its own, so a value at a band's edge is one
-        episode, not a flag every other step."""
-        out = []
-        for key, flag in conditions.items():
-            old = self.active.get(key)
-            if old is None or _RANK.get(flag.severity, 0) > _RANK.get(old.severity, 0):
-                self.active[key] = flag
-                out.append(flag)
-        rules = tuple(rules)
-        for key in list(self.active):
-            if key[0] not in rules:
-                continue
-            flag = conditions.get(key)
-            old = self.active[key]
-            if flag is not None and _RANK.get(flag.severity, 0) >= _RANK.get(old.severity, 0):
-                self._calm.pop(key, None)
-                continue
-            # An episode ends after CLEAR_AFTER calm (or milder) evaluations, so a value hovering
-            # at the threshold is one episode, not a flag every other step.
-            self._calm[key] = self._calm.get(key, 0) + 1
-            if self._calm[key] < CLEAR_AFTER:
-                continue
-            del self._calm[key]
-            del self.active[key]
-            out.append(Flag(rule=old.rule, value=old.value, threshold=old.threshold, step=step,
-                            site=old.site, message=f"cleared: {old.rule} at {old.site}",
-                            impl=old.impl, shape=old.shape, rank=self.rank, cleared=True,
-                            severity=old.severity, band=old.band))
-            if flag is not None:  # milder, and lasting: its own episode from here
-                self.active[key] = flag
-                out.append(flag)
         return out
 
     def _judged_ratio(self, key: object, forward: float, backward: float,
@@ -379,7 +338,7 @@ class Rules:
                 message=(f"an attention call has not finished after {oldest_inflight_seconds:.0f} s "
                          f"(timeout {cfg.timeout_seconds:.0f} s): the device or a collective it waits "
                          "on may be stuck — dump the stacks (py-spy dump) and check the other ranks"))
-        return self._episodes(conditions, rules=("hang",), step=self._last_step + 1)
+        return self._episodes.update(conditions, rules=("hang",), step=self._last_step + 1)
 
     def _flag(self, rule: str, value: float, threshold: float, step: int, site: str,
               s: SiteSummary | None, message: str, severity: str = "warning",
