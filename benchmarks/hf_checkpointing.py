@@ -19,6 +19,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fadiag  # noqa: E402
+from fadiag.rules.engine import ratio_calls  # noqa: E402
 from fadiag.steps.records import summarize  # noqa: E402
 
 
@@ -50,7 +51,7 @@ def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
             calls += len(r.calls)
             recomputed += sum(c.recompute for c in r.calls)
             host_bound += r.host_bound_calls
-            for s in summarize([c for c in r.calls if not c.probe and not c.host_bound]):
+            for s in summarize(ratio_calls(r.calls)):
                 if s.ratio is not None:
                     judged.setdefault(s.site, []).append(s.ratio)
             for c in r.calls:

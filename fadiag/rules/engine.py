@@ -10,20 +10,26 @@ from __future__ import annotations
 import logging
 import statistics
 from collections import Counter, deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from ..config import RulesConfig
 from ..memory import scores_bytes
-from ..steps.records import Flag, SiteSummary, StepReport, ratio, summarize
+from ..steps.records import CallRecord, Flag, SiteSummary, StepReport, ratio, summarize
 from .bands import band_for
-from .episodes import Episodes
 from .baseline import Baseline
+from .episodes import Episodes
 from .messages import band_label, memory_advice, memory_expected, ratio_advice, site_text
 
 log = logging.getLogger("fadiag")
 
 TOTAL = "*"
 """The `site` of a flag about a whole step."""
+
+
+def ratio_calls(calls: Iterable[CallRecord]) -> list[CallRecord]:
+    """The calls the ratio rule judges: not a signature's probe (cold caches land in it), and not
+    host-bound (a starved device's windows measure the host's launches, not the kernel)."""
+    return [c for c in calls if not c.probe and not c.host_bound]
 
 
 def fastest_ratio(window: Sequence[tuple[float, float]]) -> float:
@@ -86,12 +92,10 @@ class Rules:
         calls = [c for c in report.calls if not c.probe]
         steady = summarize(calls)
         if self.cfg.backward_forward_ratio.enabled:
-            # Nor, for the ratio, calls whose device windows may hold host time: a starved
-            # device's windows measure the host's launches, not the kernel.
-            device_bound = [c for c in calls if not c.host_bound]
-            if len(device_bound) < len(calls):
-                self._host_bound(len(calls) - len(device_bound), len(calls), report.step)
-                conditions.update(self._ratio(report, summarize(device_bound)))
+            judged = ratio_calls(calls)
+            if len(judged) < len(calls):
+                self._host_bound(len(calls) - len(judged), len(calls), report.step)
+                conditions.update(self._ratio(report, summarize(judged)))
             else:
                 conditions.update(self._ratio(report, steady))
         if self.cfg.memory_savings.enabled:
