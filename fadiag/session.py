@@ -22,7 +22,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from .capture.device import Devices, default_device_type
 from .capture.host import CpuWait
-from .capture.interceptors import Interceptors
+from .capture.interceptors import HF_REGISTRY_MODULE, Interceptors
 from .capture.ops import reader_for_layout
 from .config import Config
 from .config.loader import load_config
@@ -178,7 +178,7 @@ class Session:
             except Exception as e:
                 self._error("cpu wait", e)
         self.resolver.submit(closed)
-        if not self.capture.hf_wrapped and "transformers.modeling_utils" in sys.modules:
+        if not self.capture.hf_wrapped and HF_REGISTRY_MODULE in sys.modules:
             try:
                 self.capture.wrap_transformers()
             except Exception as e:

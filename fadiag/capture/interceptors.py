@@ -26,6 +26,10 @@ from .tap import supported as tap_supported
 
 log = logging.getLogger("fadiag")
 
+HF_REGISTRY_MODULE = "transformers.modeling_utils"
+"""Where HF keeps its attention registry: once it is imported, `wrap_transformers` can run (the
+session looks for it in sys.modules at each step boundary until then)."""
+
 
 class Interceptors:
     """What attach() patches and installs, and how to take it back.
@@ -110,7 +114,7 @@ class Interceptors:
         """Wrap HF's attention registry entries (except "sdpa", which reaches the patched SDPA)."""
         if self.hf_wrapped or not self.config.interceptors.transformers:
             return
-        mu = sys.modules.get("transformers.modeling_utils")
+        mu = sys.modules.get(HF_REGISTRY_MODULE)
         registry = getattr(mu, "ALL_ATTENTION_FUNCTIONS", None)
         if registry is None:
             return
