@@ -4,6 +4,10 @@ per-site backward/forward ratio in both, and the largest per-site difference.
 Needs `transformers`. Prints one JSON object.
 
     python benchmarks/hf_checkpointing.py [--steps 8] [--batch 2] [--seq 2048]
+
+Steps after the third are read. A site's ratio in the report is its device-bound windows' (a
+window the device spent waiting for the host's launches holds host time, CallRecord.host_bound);
+`every_window_*` divides every window, host-bound ones too.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fadiag  # noqa: E402
 from fadiag.rules.engine import ratio_calls  # noqa: E402
-from fadiag.steps.records import summarize  # noqa: E402
+from fadiag.steps.records import ratio, summarize  # noqa: E402
 
 
 def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
@@ -43,8 +47,9 @@ def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
             opt.step()
             opt.zero_grad(set_to_none=True)
         assert session.flush(60)
-        per_site: dict[str, list[float]] = {}
-        judged: dict[str, list[float]] = {}  # the ratio rule's: calls whose windows are device work
+        per_site: dict[str, list[float]] = {}  # the report's: its device-bound windows
+        every_window: dict[str, list[float]] = {}  # host-bound windows too
+        judged: dict[str, list[float]] = {}  # the ratio rule's: no probe, no host-bound window
         seconds: dict[str, list[float]] = {"forward": [], "recompute_forward": [], "backward": []}
         calls = recomputed = host_bound = 0
         for r in session.history()[3:]:
@@ -61,6 +66,9 @@ def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
             for s in r.sites():
                 if s.ratio is not None:
                     per_site.setdefault(s.site, []).append(s.ratio)
+                every = ratio(s.backward_seconds, s.ratio_forward_seconds)
+                if every is not None:
+                    every_window.setdefault(s.site, []).append(every)
         # Each flag with its step and worst site, and each read step's per-site ratios: a flag
         # on one step among steady ones can then be traced to the site and step that raised it.
         flags = [(f.rule, f.severity, round(f.value, 2), f.step, f.message)
@@ -79,6 +87,8 @@ def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
             "recomputed_per_step": recomputed / read,
             "ratio_min": min(medians.values()), "ratio_max": max(medians.values()),
             "per_site": medians, "flags": flags[:20], "ratios_by_step": by_step,
+            "every_window_per_site": {k: statistics.median(v) for k, v in every_window.items()},
+            "steps_per_site": {k: len(v) for k, v in per_site.items()},
             "host_bound_per_step": host_bound / read,
             "judged_per_site": {k: statistics.median(v) for k, v in judged.items()},
             "judged_steps_per_site": {k: len(v) for k, v in judged.items()},
@@ -104,7 +114,10 @@ def main() -> None:
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
                       "command": " ".join(sys.argv), "plain": plain, "non_reentrant": ckpt,
+                      # The report's per-site ratios (device-bound windows; a site with none in
+                      # the read steps has no ratio, and is listed in sites_only_in_one).
                       "max_rel_diff": max_diff("per_site"),
+                      "every_window_max_rel_diff": max_diff("every_window_per_site"),
                       # What the ratio rule judges: host-bound calls left out (0 sites: none left).
                       "judged_max_rel_diff": max_diff("judged_per_site"),
                       "judged_sites": [len(plain["judged_per_site"]), len(ckpt["judged_per_site"])],

@@ -124,6 +124,29 @@ def test_calls_whose_windows_may_hold_host_time_are_counted_by_impl():
     assert value("fadiag_attention_calls_total", {"rank": "0", "impl": "cudnn"}) == 2
 
 
+def test_the_ratio_gauge_is_the_steps_device_bound_calls_and_absent_when_there_are_none():
+    # A starved device's window holds the host's launches: the gauge divides the calls whose
+    # windows are device work (here 3.3x), not the sum of every window (here 1.8x).
+    registry = CollectorRegistry()
+    metrics = Metrics(rank=0, registry=registry)
+    kw = dict(impl="cudnn", shape=(2, 16, 2048, 2048, 128), dtype="bfloat16", causal=True,
+              device="cuda")
+    device_work = CallRecord(site="m.py:1#0", forward_seconds=1e-4, backward_seconds=3.3e-4, **kw)
+    starved = CallRecord(site="m.py:1#1", forward_seconds=4e-4, backward_seconds=3.7e-4,
+                         forward_host_seconds=3e-4, **kw)
+    step = StepReport(step=1, forward_seconds=5e-4, backward_seconds=7e-4, kept_bytes=None,
+                      standard_bytes=0, peak_bytes=None, calls=[device_work, starved])
+    metrics.emit(step)
+    ratio = {"rank": "0"}
+    assert registry.get_sample_value("fadiag_attention_backward_forward_ratio", ratio) == pytest.approx(3.3)
+    assert registry.get_sample_value("fadiag_step_attention_forward_seconds", ratio) == 5e-4
+    metrics.emit(StepReport(step=2, forward_seconds=4e-4, backward_seconds=3.7e-4, kept_bytes=None,
+                            standard_bytes=0, peak_bytes=None, calls=[starved]))
+    assert registry.get_sample_value("fadiag_attention_backward_forward_ratio", ratio) is None
+    assert registry.get_sample_value("fadiag_attention_host_bound_calls_total",
+                                     {"rank": "0", "impl": "cudnn"}) == 2
+
+
 def test_flags_are_counted_once_per_episode_and_active_while_open():
     registry = CollectorRegistry()
     metrics = Metrics(rank=3, registry=registry)

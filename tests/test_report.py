@@ -13,7 +13,7 @@ import pytest
 
 from fadiag.cli import main
 from fadiag.cli.report.plots import memory_figure, thresholds
-from fadiag.cli.report.summary import format_summary, summarize, summarize_run
+from fadiag.cli.report.summary import format_summary, site_table, summarize, summarize_run
 from fadiag.export.jsonl import JsonlSink, read_run
 from fadiag.steps.records import CallRecord, Flag, StepReport
 
@@ -83,6 +83,40 @@ def test_site_table_gives_medians_so_a_slow_first_step_does_not_inflate_it() -> 
     assert row.forward_seconds == pytest.approx(0.002) == s.median_forward_seconds
     header, cells = _table_rows(s)
     assert cells[header.index("fwd ms")] == "2.00"  # the mean would read 21.60
+
+
+def _checkpointed_step(n: int) -> StepReport:
+    """Two sites on a starved device under checkpointing: site 0's first-pass window held the
+    host's launches (its recomputation's did not), every window of site 1 did."""
+    kw = dict(impl="cudnn", shape=(2, 16, 2048, 2048, 128), dtype="bfloat16", causal=True,
+              device="cuda", kept_bytes=50_000, standard_bytes=1_000_000)
+    calls = [CallRecord(site="layers.0.attn", forward_seconds=4e-4, forward_host_seconds=3e-4, **kw),
+             CallRecord(site="layers.0.attn", forward_seconds=1e-4, backward_seconds=3.3e-4,
+                        recompute=True, **kw),
+             CallRecord(site="layers.1.attn", forward_seconds=4e-4, forward_host_seconds=3e-4, **kw),
+             CallRecord(site="layers.1.attn", forward_seconds=3e-4, backward_seconds=4e-4,
+                        recompute=True, forward_host_seconds=2e-4, **kw)]
+    return StepReport(step=n, forward_seconds=8e-4, backward_seconds=7.3e-4, kept_bytes=100_000,
+                      standard_bytes=2_000_000, peak_bytes=None, recompute_seconds=4e-4,
+                      calls=calls, wall_time=1000.0 + n)
+
+
+def test_a_sites_ratio_is_its_device_bound_windows_and_the_report_names_the_host_bound(
+        tmp_path: Path) -> None:
+    sink = JsonlSink(tmp_path, rank=0, meta={"rank": 0, "fadiag": "test"})
+    for n in range(1, 4):
+        sink.emit(_checkpointed_step(n))
+    sink.close()
+    s = summarize_run(read_run(sink.path))  # through the run log: the host times are kept
+    ckpt, starved = s.sites
+    assert ckpt.ratio == pytest.approx(3.3)  # the recomputation's windows; all windows: 0.83
+    assert starved.ratio is None and starved.host_bound == 6
+    assert s.median_ratio == pytest.approx(3.3)
+    assert (s.host_bound_calls, s.measured_calls) == (9, 12)
+    header, *rows = site_table(s)
+    column = header.index("ratio")
+    assert [r[column] for r in rows] == ["3.30", "host-bound"]
+    assert "host-bound       9 of 12 calls" in format_summary(s)
 
 
 def _table_rows(s: object) -> tuple[list[str], list[str]]:

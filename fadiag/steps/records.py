@@ -157,6 +157,18 @@ class SiteSummary(Figures):
     recompute_forward_seconds: float = 0.0
     recomputes: int = 0
     """Checkpointing: the forward time and number of the site's recomputations."""
+    host_bound: int = 0
+    """Calls (recomputations included) whose windows may hold host time (CallRecord.host_bound)."""
+    device_bound: SiteSummary | None = None
+    """Where some calls were host-bound: the site over its other calls, whose windows are device
+    work (None if there were none). The ratio is theirs: a starved device's windows measure the
+    host's launches as much as the kernel (1.8-4.4x for a 3.3x cuDNN kernel, BENCHMARKS.md)."""
+
+    @property
+    def ratio(self) -> float | None:
+        if self.host_bound:
+            return self.device_bound.ratio if self.device_bound is not None else None
+        return ratio(self.backward_seconds, self.ratio_forward_seconds)
 
     @property
     def ratio_forward_seconds(self) -> float:
@@ -226,6 +238,16 @@ class StepReport(Figures):
         return sum(1 for c in self.calls if c.host_bound)
 
     @property
+    def ratio(self) -> float | None:
+        """Backward over forward seconds of the step's calls whose windows are device work (all of
+        them but host-bound ones: CallRecord.host_bound); None if none was."""
+        if not any(c.host_bound for c in self.calls):
+            return ratio(self.backward_seconds, self.ratio_forward_seconds)
+        sites = summarize([c for c in self.calls if not c.host_bound])
+        return ratio(sum(s.backward_seconds for s in sites),
+                     sum(s.ratio_forward_seconds for s in sites))
+
+    @property
     def ratio_forward_seconds(self) -> float:
         """The forward time the step's ratio divides by: its sites' (SiteSummary), which differ
         from `forward_seconds` only where checkpointed recomputations ran."""
@@ -279,14 +301,19 @@ class StepReport(Figures):
 
 def summarize(calls: list[CallRecord]) -> list[SiteSummary]:
     """Per-site totals of `calls`, in first-call order (a recomputation adds its backward, and its
-    forward to `recompute_forward_seconds`)."""
+    forward to `recompute_forward_seconds`; a site with host-bound calls also gets its
+    `device_bound` summary, which its ratio is)."""
     by_site: dict[str, SiteSummary] = {}
     sparsity: dict[str, list[float]] = {}
+    host_bound = False
     for c in calls:
         s = by_site.get(c.site)
         if s is None:
             s = by_site[c.site] = SiteSummary(c.site, c.impl, c.shape, c.dtype, 0, 0.0, 0.0, 0, 0,
                                               c.device)
+        if c.host_bound:
+            s.host_bound += 1
+            host_bound = True
         if not c.recompute:
             s.calls += 1
             s.forward_seconds += c.forward_seconds
@@ -301,6 +328,9 @@ def summarize(calls: list[CallRecord]) -> list[SiteSummary]:
         s.backward_seconds += c.backward_seconds
     for site, values in sparsity.items():
         by_site[site].sparsity = sum(values) / len(values)
+    if host_bound:
+        for d in summarize([c for c in calls if not c.host_bound]):
+            by_site[d.site].device_bound = d
     return list(by_site.values())
 
 

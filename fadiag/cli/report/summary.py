@@ -38,6 +38,8 @@ class SiteRow:
     flags: int = 0
     """Flag episodes this site was part of (a step-total flag counts for every site that was
     past the rule's threshold in the step it was raised)."""
+    host_bound: int = 0
+    """Its calls whose windows may hold host time: not in its ratio (SiteSummary.device_bound)."""
 
     @property
     def steps(self) -> int:
@@ -122,6 +124,9 @@ class Summary:
     episodes: list[Episode] = field(default_factory=list)
     unmeasured: Counter[str] = field(default_factory=Counter)
     """Attention calls seen and not measured, by reason, over the steps (StepReport.unmeasured)."""
+    host_bound_calls: int = 0
+    """Measured calls whose windows may hold host time (a starved device): not in any ratio."""
+    measured_calls: int = 0
 
 
 def run_logs(path: str | os.PathLike[str]) -> list[Path]:
@@ -174,6 +179,7 @@ def summarize(steps: Sequence[StepReport], flags: Sequence[Flag] | None = None,
             if row is None:
                 row = sites[ss.site] = SiteRow(ss.site, ss.impl, tuple(ss.shape), ss.dtype)
             row.calls += ss.calls
+            row.host_bound += ss.host_bound
             row.per_step.append(ss)
             if ss.impl not in row.impl.split("+"):
                 row.impl += "+" + ss.impl
@@ -198,6 +204,8 @@ def summarize(steps: Sequence[StepReport], flags: Sequence[Flag] | None = None,
         impls=impls,
         episodes=found,
         unmeasured=unmeasured,
+        host_bound_calls=sum(s.host_bound_calls for s in steps),
+        measured_calls=sum(len(s.calls) for s in steps),
     )
 
 
@@ -258,8 +266,9 @@ def site_table(s: Summary) -> list[list[str]]:
     rows = [["site", "impl", "shape (B,H,Sq,Sk,D)", "dtype", "calls", "fwd ms", "bwd ms",
              "ratio", "savings", "kept MiB", "standard MiB", "flags"]]
     for r in s.sites:
+        ratio = num(r.ratio) if r.ratio is not None or not r.host_bound else "host-bound"
         rows.append([r.site, r.impl, "x".join(str(d) for d in r.shape), r.dtype, str(r.calls),
-                     ms(r.forward_seconds), ms(r.backward_seconds), num(r.ratio),
+                     ms(r.forward_seconds), ms(r.backward_seconds), ratio,
                      num(r.memory_savings, 3), mib(r.kept_bytes), mib(r.standard_bytes),
                      str(r.flags)])
     if any(r.sparsity is not None for r in s.sites):
@@ -312,6 +321,9 @@ def format_summary(s: Summary) -> str:
     counted = [(k, v) for k, v in s.unmeasured.most_common() if v]
     if counted:  # attention that ran and is in no figure above
         lines.append("  not measured     " + ", ".join(f"{k} ({v} calls)" for k, v in counted))
+    if s.host_bound_calls:
+        lines.append(f"  host-bound       {s.host_bound_calls} of {s.measured_calls} calls: the "
+                     "device waited for the host inside their windows; not in any ratio")
     if s.sites:
         lines += ["", "  per site, medians over the steps it ran in:"]
         lines.extend(_aligned(site_table(s), indent="  "))
