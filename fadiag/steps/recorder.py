@@ -243,8 +243,7 @@ class Recorder(StepBoundaries):
             # skip=2: from begin's frame past the wrapper's to its caller's, as _site does.
             sites = self.sites
             self._fast = timer.fast_begin(
-                sites.internal, sites.locations, sites.counts, Call, 2, self.max_calls,
-                _graph_task_id)
+                sites.internal, sites.locations, sites.counts, Call, 2, self.max_calls)
         if self._fast is not None:
             tap = self.tap
             self._fast.remember(args, kwargs, sig,

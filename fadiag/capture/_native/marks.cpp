@@ -18,6 +18,7 @@
 #include <c10/core/GradMode.h>
 #include <torch/csrc/autograd/function.h>
 #include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/graph_task.h>
 #include <torch/csrc/autograd/python_variable.h>
 
 #include "pool.h"
@@ -235,11 +236,10 @@ class FastBegin {
   // `timer`: the NativeTimer whose marks these are, serving tensors on `device_type`;
   // `internal`, `locations`, `site_counts`: the Recorder's site dicts (code -> is internal,
   // (code, lasti) -> "file:line", "file:line" -> calls this pass); `call_class`: Recorder's Call;
-  // `skip`: frames between this call and the wrapper's caller; `graph_task_id`: torch's
-  // `_current_graph_task_id` (-1 outside a backward).
+  // `skip`: frames between this call and the wrapper's caller.
   FastBegin(Marks& marks, py::object timer, const std::string& device_type, py::dict internal,
             py::dict locations, py::dict site_counts, py::object call_class, int64_t skip,
-            int64_t max_calls, py::object graph_task_id)
+            int64_t max_calls)
       : pool_(marks.pool()),
         timer_(std::move(timer)),
         device_type_(c10::Device(device_type).type()),
@@ -249,7 +249,6 @@ class FastBegin {
         call_class_(std::move(call_class)),
         skip_(skip),
         max_calls_(max_calls),
-        graph_task_id_(std::move(graph_task_id)),
         seen_name_("backward_starts_seen"),
         sig_name_("sig"),
         fwd0_name_("fwd0"),
@@ -261,13 +260,14 @@ class FastBegin {
         static_cast<int64_t>(PyList_GET_SIZE(calls.ptr())) >= max_calls_) {
       return py::none();
     }
-    if (py::cast<int64_t>(graph_task_id_()) != -1) return py::none();  // a recomputation
+    if (torch::autograd::get_current_graph_task_id() != -1) return py::none();  // a recomputation
     if (py::cast<int64_t>(timer_.attr(seen_name_)) != pool_->backward_starts()) {
       return py::none();  // a backward ran since the last call: Python opens a new phase
     }
-    FastKey key;
-    if (!make_key(args, kwargs, key)) return py::none();
-    auto found = sigs_.find(key);
+    // The key is built in one buffer kept between calls: no allocation on the steady path.
+    scratch_.v.clear();
+    if (!make_key(args, kwargs, scratch_)) return py::none();
+    auto found = sigs_.find(scratch_);
     if (found == sigs_.end()) return py::none();
     py::object loc = location();
     if (!loc) return py::none();
@@ -275,8 +275,7 @@ class FastBegin {
     PyObject* count = PyDict_GetItem(site_counts_.ptr(), loc.ptr());  // borrowed
     const int64_t n = count == nullptr ? 0 : PyLong_AsLongLong(count);
     site_counts_[loc] = py::int_(n + 1);
-    py::object site = py::reinterpret_steal<py::object>(
-        PyUnicode_FromFormat("%U#%lld", loc.ptr(), static_cast<long long>(n)));
+    py::object site = site_name(loc, n);
     const Known& known = found->second;
     py::object call = call_class_(
         site, timer_, false, py::none(), py::none(),
@@ -301,6 +300,19 @@ class FastBegin {
   int64_t size() const { return static_cast<int64_t>(sigs_.size()); }
 
  private:
+  // "file:line#n", the site of the n-th call from `loc` in this pass, as Recorder._site names it;
+  // each string made once per location and ordinal (a step's calls repeat them every pass).
+  py::object site_name(const py::object& loc, int64_t n) {
+    auto& names = site_names_[loc.ptr()];
+    if (names.first.ptr() != loc.ptr()) names.first = loc;  // holds the location string alive
+    auto& made = names.second;
+    if (n < static_cast<int64_t>(made.size())) return made[static_cast<size_t>(n)];
+    py::object site = py::reinterpret_steal<py::object>(
+        PyUnicode_FromFormat("%U#%lld", loc.ptr(), static_cast<long long>(n)));
+    if (n == static_cast<int64_t>(made.size()) && n < kSiteNames) made.push_back(site);
+    return site;
+  }
+
   // A plain tensor: torch.Tensor or Parameter itself (a subclass may answer .shape its own way),
   // strided and not nested (its sizes are plain integers).
   static bool tensor(PyObject* o, at::Tensor& out) {
@@ -423,13 +435,16 @@ class FastBegin {
   py::object call_class_;
   int64_t skip_;
   int64_t max_calls_;
-  py::object graph_task_id_;
+  static constexpr int64_t kSiteNames = 4096;  // ordinals per location kept as strings, at most
   struct Known {
     py::object sig;
     bool linked = false;
   };
   py::str seen_name_, sig_name_, fwd0_name_, link_name_;
   std::unordered_map<FastKey, Known, FastKeyHash> sigs_;
+  FastKey scratch_;
+  // Location string (pointer) -> (the string, its sites by ordinal).
+  std::unordered_map<PyObject*, std::pair<py::object, std::vector<py::object>>> site_names_;
 };
 #endif
 
@@ -477,8 +492,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
 #if PY_VERSION_HEX >= 0x030B0000
   pybind11::class_<FastBegin>(m, "FastBegin")
       .def(pybind11::init<Marks&, pybind11::object, const std::string&, pybind11::dict,
-                          pybind11::dict, pybind11::dict, pybind11::object, int64_t, int64_t,
-                          pybind11::object>())
+                          pybind11::dict, pybind11::dict, pybind11::object, int64_t, int64_t>())
       .def("begin", &FastBegin::begin)
       .def("remember", &FastBegin::remember)
       .def("size", &FastBegin::size);
