@@ -362,6 +362,63 @@ def test_a_stale_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, caplog):
     assert not native.clear_stale_lock(tmp_path)  # nothing there: nothing to do
 
 
+def _fake_build(monkeypatch, folder, seen: list):
+    """native._build against `folder`, with torch's builder replaced by one that records whether
+    its lock file was there when it was called and when."""
+    from torch.utils import cpp_extension
+
+    monkeypatch.setattr(native, "_build_dir", lambda kind: folder)
+    monkeypatch.setattr(cpp_extension, "load", lambda **kw: seen.append(
+        ((folder / "lock").exists(), time.monotonic())) or SimpleNamespace(name=kw["name"]))
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the build claim is an flock")
+def test_a_build_lock_whose_builder_is_gone_is_removed_at_once(tmp_path, monkeypatch, caplog):
+    # A job that attached while the marks built in the background, and ended (or was killed)
+    # before the build did, leaves torch's lock: every later build would wait on it.
+    (tmp_path / "lock").write_text("")
+    seen: list = []
+    _fake_build(monkeypatch, tmp_path, seen)
+    with caplog.at_level(logging.WARNING, logger="fadiag"):
+        assert native._build("cpu").name == "fadiag_marks_cpu"
+    assert [lock for lock, _ in seen] == [False]
+    assert "its builder is gone" in caplog.text
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="the build claim is an flock")
+def test_a_build_waits_for_a_live_builder_and_takes_over_when_it_dies(tmp_path, monkeypatch):
+    import subprocess
+
+    # Another process builds: it holds the claim and torch's lock, and is killed mid-build.
+    builder = subprocess.Popen([sys.executable, "-c", f"""
+import fcntl, os, sys, time
+fd = os.open({str(tmp_path / native.CLAIM)!r}, os.O_RDWR | os.O_CREAT)
+fcntl.flock(fd, fcntl.LOCK_EX)
+open({str(tmp_path / "lock")!r}, "w").close()
+print("building", flush=True)
+time.sleep(60)
+"""], stdout=subprocess.PIPE, text=True)
+    try:
+        assert builder.stdout.readline().strip() == "building"
+        seen: list = []
+        _fake_build(monkeypatch, tmp_path, seen)
+        done = threading.Event()
+        t = threading.Thread(target=lambda: native._build("cpu") and done.set(), daemon=True)
+        t.start()
+        assert not done.wait(1.0)  # a live builder: this one waits for it
+        assert seen == [] and (tmp_path / "lock").exists()
+        killed = time.monotonic()
+        builder.kill()
+        builder.wait(10)
+        assert done.wait(10)
+        (lock, at), = seen
+        assert not lock and at >= killed  # its lock removed, once the claim was free
+    finally:
+        builder.kill()
+        builder.wait(10)
+        builder.stdout.close()
+
+
 @pytest.mark.parametrize("around", ["backward", "forward_and_backward"])
 def test_compiled_autograd_still_trains_with_native_marks(ext, around):
     """C++ node hooks cannot describe themselves to compiled autograd, so they opt out of its

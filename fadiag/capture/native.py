@@ -9,15 +9,21 @@ Without a toolchain everything works the same with Python marks, at a higher hos
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
+
+try:
+    import fcntl
+except ImportError:  # Windows: torch's lock alone, cleared by age
+    fcntl = None  # type: ignore[assignment]
 
 log = logging.getLogger("fadiag")
 
@@ -144,20 +150,45 @@ def _build_dir(kind: str) -> Path | None:
 
 STALE_LOCK_S = 600.0
 """torch's build lock left by a process killed mid-build makes every later build wait forever."""
+CLAIM = "fadiag-build.claim"
+"""The file whose lock (flock) a process holds while it builds in a build folder."""
 
 
-def clear_stale_lock(folder: Path, now: float | None = None) -> bool:
-    """Remove torch's build lock in `folder` if it is older than any build takes."""
+def clear_stale_lock(folder: Path, now: float | None = None, *, claimed: bool = False) -> bool:
+    """Remove torch's build lock in `folder` if it is stale: `claimed` (this process holds the
+    folder's build claim, so no live process is building there) or older than any build takes."""
     lock = folder / "lock"
     try:
         age = (time.time() if now is None else now) - lock.stat().st_mtime
-        if age > STALE_LOCK_S:
+        if claimed or age > STALE_LOCK_S:
             lock.unlink()
-            log.warning("fadiag: removed a stale extension build lock (%.0f s old): %s", age, lock)
+            log.warning("fadiag: removed a stale extension build lock (%.0f s old, %s): %s", age,
+                        "its builder is gone" if claimed else "older than any build", lock)
             return True
     except OSError:
         pass
     return False
+
+
+@contextlib.contextmanager
+def build_claim(folder: Path) -> Iterator[bool]:
+    """Hold `folder`'s build claim (waiting for a process that holds it) while building there;
+    yields whether it is held (False where there is no flock: Windows).
+
+    torch's own build lock is a file that a process removes when its build ends, so a process
+    that exits mid-build leaves it behind and every later build in the folder waits for it: a
+    short job (or one killed) that attached while the marks were building in the background
+    leaves the next jobs on the machine with Python marks. The claim is an flock, which the
+    kernel releases when its holder dies: under it, any torch lock in the folder is stale."""
+    if fcntl is None:
+        yield False
+        return
+    fd = os.open(folder / CLAIM, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # releases the flock
 
 
 def _build(kind: str) -> ModuleType:
@@ -166,14 +197,20 @@ def _build(kind: str) -> ModuleType:
     if os.environ.get("FADIAG_NATIVE_DISABLE", "") in ("1", "true", "yes"):
         raise RuntimeError("FADIAG_NATIVE_DISABLE is set")
     folder = _build_dir(kind)
-    if folder is not None:
-        folder.mkdir(parents=True, exist_ok=True)
-        clear_stale_lock(folder)
     cuda = kind == "cuda"
     flags = ["-O2", "-DFADIAG_CUDA"] if cuda else ["-O2"]
-    return cpp_extension.load(name=module_name(kind), sources=[str(p) for p in SOURCES],
-                              extra_cflags=flags, with_cuda=cuda, verbose=False,
-                              build_directory=None if folder is None else str(folder))
+
+    def build() -> ModuleType:
+        return cpp_extension.load(name=module_name(kind), sources=[str(p) for p in SOURCES],
+                                  extra_cflags=flags, with_cuda=cuda, verbose=False,
+                                  build_directory=None if folder is None else str(folder))
+
+    if folder is None:
+        return build()
+    folder.mkdir(parents=True, exist_ok=True)
+    with build_claim(folder) as claimed:
+        clear_stale_lock(folder, claimed=claimed)
+        return build()
 
 
 def _first_line(e: BaseException) -> str:
