@@ -26,6 +26,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fadiag  # noqa: E402
+from marks_first import marks_first  # noqa: E402
 
 
 class RMSNorm(nn.Module):
@@ -183,8 +184,9 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--cuda-graphs", action="store_true", help="also run mode='reduce-overhead'")
     args = p.parse_args()
+    marks = marks_first()  # before attach(): measured with the native marks from the first step
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                    "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv),
+                    "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "native_marks": marks,
                     "model": {k: getattr(args, k) for k in ("layers", "dim", "heads", "kv_heads",
                                                              "seq", "batch")}}
     step = make(args, None)

@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fadiag  # noqa: E402
+from marks_first import marks_first  # noqa: E402
 from fadiag.rules.engine import ratio_calls  # noqa: E402
 from fadiag.steps.records import ratio, summarize  # noqa: E402
 
@@ -102,6 +103,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=2048)
     args = p.parse_args()
+    marks = marks_first()  # before attach(): measured with the native marks from the first step
     try:
         import transformers
     except ImportError:
@@ -113,7 +115,7 @@ def main() -> None:
 
     print(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                       "transformers": transformers.__version__, "date": time.strftime("%Y-%m-%d"),
-                      "command": " ".join(sys.argv), "plain": plain, "non_reentrant": ckpt,
+                      "command": " ".join(sys.argv), "native_marks": marks, "plain": plain, "non_reentrant": ckpt,
                       # The report's per-site ratios (device-bound windows; a site with none in
                       # the read steps has no ratio, and is listed in sites_only_in_one).
                       "max_rel_diff": max_diff("per_site"),

@@ -34,6 +34,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fadiag  # noqa: E402
+from marks_first import marks_first  # noqa: E402
 from fadiag.cli.calibrate import measure  # noqa: E402
 from fadiag.config import Config  # noqa: E402
 from tests.models import GPT  # noqa: E402
@@ -186,9 +187,10 @@ def main() -> None:
     p.add_argument("--checkpointing-only", action="store_true",
                    help="only the checkpointing comparison, at both sizes")
     args = p.parse_args()
+    marks = marks_first()  # before attach(): measured with the native marks from the first step
     seq_lens = [int(x) for x in args.seq_lens.split(",")]
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+                              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "native_marks": marks}
     if args.checkpointing_only:
         result["checkpointing"] = [checkpointing(), checkpointing(dim=2048, heads=16, batch=8)]
         Path(args.out).write_text(json.dumps(result, indent=1))

@@ -7,11 +7,11 @@ each call's forward and backward as fadiag measured it beside the CUPTI device t
 that call ran (in call order), the GPU's busy fraction over those steps (kernel time over wall
 time), and for FlexAttention the kernels of one backward in device order with their gaps.
 
-    python benchmarks/windows.py [--out windows.json] [--only checkpointing,compiled,flex,hf]
+    python benchmarks/windows.py [--out windows.json] [--only checkpointing,compiled,flex,hf] [--batches 2,4]
 
 Cases: an 8-layer GPT with and without non-reentrant checkpointing at two sizes (one that keeps
 the GPU waiting on the host, one that does not); the Llama-style model of benchmarks/compiled.py
-compiled at B=2 and B=4; `torch.compile(flex_attention)` at S=2048 causal; with `hf` (needs
+compiled at B=2 and B=4 (`--batches`); `torch.compile(flex_attention)` at S=2048 causal; with `hf` (needs
 transformers), benchmarks/hf_checkpointing.py's HF Llama with and without checkpointing.
 """
 
@@ -32,6 +32,7 @@ from torch.autograd import DeviceType
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fadiag  # noqa: E402
+from marks_first import marks_first  # noqa: E402
 from tests.models import GPT, GpuBusy  # noqa: E402
 
 SDPA = "aten::_scaled_dot_product_"
@@ -242,12 +243,14 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="windows.json")
     p.add_argument("--only", default="checkpointing,compiled,flex")
+    p.add_argument("--batches", default="2,4", help="batch sizes of the compiled model")
     a = p.parse_args()
+    marks = marks_first()  # before attach(): measured with the native marks from the first step
     if not torch.cuda.is_available():
         sys.exit("benchmarks/windows.py needs a CUDA device")
     only = set(a.only.split(","))
     result: dict[str, Any] = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+                              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "native_marks": marks}
 
     def save() -> None:
         Path(a.out).write_text(json.dumps(result, indent=1))
@@ -278,7 +281,7 @@ def main() -> None:
         save()
     if "compiled" in only:
         result["compiled"] = []
-        for b in (2, 4):
+        for b in map(int, a.batches.split(",")):
             result["compiled"].append(compiled(b))
             r = result["compiled"][-1]
             print(json.dumps({k: r[k] for k in ("batch", "gpu_busy_fraction", "step_ms", "forward_vs_cupti_median",

@@ -1,0 +1,21 @@
+"""Build (or load) fadiag's native marks before a benchmark measures anything.
+
+`fadiag.attach()` builds them in the background and measures with Python marks until the build
+is done, so on a fresh machine a short benchmark would measure its first minute (or all of it)
+without the dispatcher tap: compiled code unmeasured, no host-bound windows. Each GPU benchmark
+that attaches calls `marks_first()` first and records what it says.
+"""
+
+from __future__ import annotations
+
+import sys
+
+from fadiag.capture import native
+
+
+def marks_first(kind: str = "cuda") -> str:
+    """Block until the native marks for `kind` are built; their status ("loaded", or why not)."""
+    native.load(kind)
+    status = native.status(kind)
+    print(f"native marks ({kind}): {status}", file=sys.stderr, flush=True)
+    return status
