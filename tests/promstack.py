@@ -77,6 +77,7 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
         ("fadiag_attention_regression_ratio", "gauge", {"rank"}),
         ("fadiag_steps_total", "counter", {"rank"}),
         ("fadiag_attention_calls_total", "counter", {"rank", "impl"}),
+        ("fadiag_attention_host_bound_calls_total", "counter", {"rank", "impl"}),
         ("fadiag_attention_uninstrumented_calls_total", "counter", {"rank", "reason"}),
         ("fadiag_flags_total", "counter", {"rank", "rule"}),
         ("fadiag_flag_active", "gauge", {"rank", "rule", "severity"}),

@@ -168,6 +168,7 @@ class StandInExporter:
         counters: list[tuple[str, list[str], dict[tuple[str, ...], int]]] = [
             ("fadiag_steps", ["rank"], {(rank,): steps}),
             ("fadiag_attention_calls", ["rank", "impl"], {(rank, p.impl): steps * len(SITES)}),
+            ("fadiag_attention_host_bound_calls", ["rank", "impl"], {(rank, p.impl): 0}),
             ("fadiag_attention_uninstrumented_calls", ["rank", "reason"], {(rank, "sampling"): 0}),
             ("fadiag_internal_errors", ["rank"], {(rank,): 0}),
             # One flag episode every 5 s on the flagged rules: the memory rule keeps re-firing.

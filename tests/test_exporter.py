@@ -66,6 +66,9 @@ def test_a_scrape_after_five_steps_holds_every_contract_metric():
     savings = fams["fadiag_attention_memory_savings_ratio"].samples[0].value
     assert 0.0 <= savings <= 1.0
     assert fams["fadiag_steps"].samples[0].value == 5
+    # Host-clock windows hold no device wait: a series for each measured impl, at 0.
+    [host_bound] = fams["fadiag_attention_host_bound_calls"].samples
+    assert host_bound.labels == {"rank": "0", "impl": "cpu_flash"} and host_bound.value == 0
     assert not any(s.name.endswith("_created") for f in fams.values() for s in f.samples)
 
 

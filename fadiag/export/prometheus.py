@@ -197,8 +197,8 @@ class Metrics(Sink):
                                 "(the device had nothing left to run when the op began to be "
                                 "queued, and waited for its launches): their seconds are an upper "
                                 "bound, and the ratio rule does not judge them.", labels=["rank", "impl"])
-        for impl, n in sorted(host_bound.items()):
-            c.add_metric([r, impl], n)
+        for impl in sorted(calls.keys() | host_bound.keys()):  # 0: measured, none host-bound
+            c.add_metric([r, impl], host_bound.get(impl, 0))
         yield c
         c = CounterMetricFamily("fadiag_attention_uninstrumented_calls",
                                 "Attention calls that ran without measurement, by reason.",
