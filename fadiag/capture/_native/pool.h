@@ -25,6 +25,13 @@
 
 namespace fadiag {
 
+// The host's steady clock in ns: the CPU marks, and the tap's host times (record age, idle).
+inline int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 constexpr int64_t kChunk = 1024;
 constexpr int64_t kMaxChunks = 1024;  // a million slots: far beyond any step's calls
 
@@ -99,9 +106,7 @@ class Pool {
       }
 #endif
     } else {
-      s->host_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                       std::chrono::steady_clock::now().time_since_epoch())
-                       .count();
+      s->host_ns = steady_ns();
     }
     s->recorded.store(true, std::memory_order_release);
     return true;

@@ -100,12 +100,6 @@ struct Record {
   int64_t fi = 0, bi = 0;
 };
 
-int64_t steady_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(
-             std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 constexpr size_t kMaxPairs = 1 << 16;  // pairing entries kept between drains, at most
 constexpr int64_t kUnmeasured = -2;  // a forward measured by Python, or not at all: its backward too
 
