@@ -134,6 +134,16 @@ def block(name: str, model, step, steps: int, acc: dict, pieces: bool) -> None:
         res.setdefault("sdpa call", []).extend(sdpa)
 
 
+def setup_device(device: str) -> None:
+    """The benchmark's device set up for fadiag's variants: on CPU one torch thread and native
+    CPU marks; on CUDA the native marks built (or loaded) before any variant attaches."""
+    if device == "cpu":
+        torch.set_num_threads(1)
+        overhead.ATTACH_DEFAULTS.update(device="cpu", native="on")
+    else:
+        print(f"native marks: {'loaded' if native.load('cuda') else native.status('cuda')}")
+
+
 def us(values: list[float]) -> str:
     return f"{statistics.median(values) * 1e6:8.2f}" if values else "       -"
 
@@ -145,11 +155,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--variants", default="plain,floor_native,fadiag_no_fast,fadiag")
     args = p.parse_args()
-    if args.device == "cpu":
-        torch.set_num_threads(1)
-        overhead.ATTACH_DEFAULTS.update(device="cpu", native="on")
-    else:
-        print(f"native marks: {'loaded' if native.load('cuda') else native.status('cuda')}")
+    setup_device(args.device)
     variants = args.variants.split(",")
     if args.device == "cpu" and "floor_native" in variants:
         variants.remove("floor_native")  # overhead.floor is CUDA events / CUDA native marks

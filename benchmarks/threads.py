@@ -28,12 +28,10 @@ import psutil
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import overhead  # noqa: E402
-from in_situ import phased_step  # noqa: E402
+from in_situ import phased_step, setup_device  # noqa: E402
 from overhead import median_ci95, variant  # noqa: E402
 
 import fadiag  # noqa: E402
-from fadiag.capture import native  # noqa: E402
 
 COLUMNS = ("wall", "training", "resolver", "other")
 
@@ -117,11 +115,7 @@ def main() -> None:
     p.add_argument("--variants", default="floor_native,fadiag_tap_only,fadiag")
     p.add_argument("--out", default="")
     args = p.parse_args()
-    if args.device == "cpu":
-        torch.set_num_threads(1)
-        overhead.ATTACH_DEFAULTS.update(device="cpu", native="on")
-    else:
-        print(f"native marks: {'loaded' if native.load('cuda') else native.status('cuda')}")
+    setup_device(args.device)
     variants = [v for v in args.variants.split(",")
                 if not (args.device == "cpu" and v.startswith("floor"))]  # the floor is CUDA's
     model, step = phased_step(args.device)
