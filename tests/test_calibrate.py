@@ -42,6 +42,22 @@ def test_the_host_clock_is_judged_as_the_rule_judges_it_fastest_backward_over_fa
     assert short.judged == pytest.approx(2.5)
 
 
+def test_calibration_reads_no_ratio_from_windows_that_may_hold_host_time(monkeypatch):
+    # As the rule judges: a starved device's windows measure the host's launches. Here every
+    # window reads as host-bound (on CPU none does), so nothing is measured, and it says why.
+    from fadiag.steps.records import CallRecord
+
+    shape = measure.Shape(batch=1, heads=2, seq_q=128, seq_k=128, head_dim=32, kv_heads=2,
+                          dtype="float32", causal=True)
+    healthy = measure.measure("cpu_flash", shape, "cpu", steps=4, warmup=1)
+    assert len(healthy.ratios) == 4 and healthy.reason == ""
+    monkeypatch.setattr(CallRecord, "host_bound", property(lambda self: True))
+    starved = measure.measure("cpu_flash", shape, "cpu", steps=4, warmup=1)
+    assert starved.ratios == [] and starved.judged is None
+    assert "every measured window (4) may hold host time" in starved.reason
+    assert measure.thresholds([starved], 0.1) == {}
+
+
 def test_calibrate_writes_per_impl_thresholds_that_attach_loads(tmp_path, capsys):
     out = tmp_path / "calibrated.yaml"
     assert main(["calibrate", "--shape", "1x2x256x32", "--causal", "--steps", "6",

@@ -18,7 +18,7 @@ import fadiag
 
 from ...config.schema import RatioRuleConfig
 from ...errors import FadiagError
-from ...rules.engine import fastest_ratio
+from ...rules.engine import fastest_ratio, ratio_calls
 from ...steps.records import StepReport
 
 WINDOW = RatioRuleConfig().host_window_steps
@@ -143,15 +143,21 @@ def measure(impl: str, shape: Shape, device: str, steps: int = 20, warmup: int =
                     on_step()
         if not session.flush(60):
             raise FadiagError("calibration: the device did not finish the measured steps in 60 s")
+        host_bound = 0
         for report in session.history()[warmup:]:
             calls = [c for c in report.calls if not c.probe]
             if calls and calls[0].impl != impl:
                 out.reason = f"{impl} was asked for, {calls[0].impl} ran"
                 out.ratios = []
                 break
-            if calls and calls[0].ratio is not None:
-                out.ratios.append(calls[0].ratio)  # type: ignore[arg-type]
-                out.seconds.append((calls[0].forward_seconds, calls[0].backward_seconds))
+            judged = ratio_calls(calls)  # as the rule: no window that may hold host time
+            host_bound += len(calls) - len(judged)
+            if judged and judged[0].ratio is not None:
+                out.ratios.append(judged[0].ratio)  # type: ignore[arg-type]
+                out.seconds.append((judged[0].forward_seconds, judged[0].backward_seconds))
+        if not out.ratios and host_bound and not out.reason:
+            out.reason = (f"every measured window ({host_bound}) may hold host time: the device "
+                          "waited for the host, so no ratio of the kernel was read")
     except RuntimeError as e:  # the backend refuses this shape, or out of memory
         out.reason = (str(e).strip().splitlines() or [type(e).__name__])[0]
     finally:
