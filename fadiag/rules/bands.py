@@ -6,6 +6,7 @@ The ratio rule's flags say whether a ratio over the threshold is what the kernel
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -77,10 +78,16 @@ def band_for(site: SiteSummary, device_name: str) -> Band | None:
     """The healthy band for a site's impl, shape and device, or None where none was measured."""
     if site.device not in ("cuda", "") or site.dtype not in _HALF:
         return None
-    words = device_name.upper().replace("-", " ").split()
     _, _, sq, sk, _ = site.shape
+    return _band(site.impl, sq, sk, device_name)
+
+
+@functools.lru_cache(maxsize=4096)
+def _band(impl: str, sq: int, sk: int, device_name: str) -> Band | None:
+    # Looked up for every judged site of every step (the resolver's busiest rule): cached.
+    words = device_name.upper().replace("-", " ").split()
     for band in BANDS:
-        if band.impl != site.impl or band.device not in words:
+        if band.impl != impl or band.device not in words:
             continue
         if all(_near(n, band.seq_len) for n in (sq, sk)):
             return band
