@@ -30,7 +30,7 @@ import overhead  # noqa: E402
 from overhead import GPT, build, variant  # noqa: E402
 
 import fadiag  # noqa: E402
-from fadiag.capture import native  # noqa: E402
+from marks_first import marks_first  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
 # fadiag's pieces, timed where they run: (where to find the object, attribute). Not the site
@@ -141,7 +141,7 @@ def setup_device(device: str) -> None:
         torch.set_num_threads(1)
         overhead.ATTACH_DEFAULTS.update(device="cpu", native="on")
     else:
-        print(f"native marks: {'loaded' if native.load('cuda') else native.status('cuda')}")
+        marks_first(file=sys.stdout)
 
 
 def us(values: list[float]) -> str:

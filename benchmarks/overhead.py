@@ -22,6 +22,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fadiag  # noqa: E402
+from marks_first import marks_first  # noqa: E402
 
 
 class Block(nn.Module):
@@ -385,10 +386,8 @@ def main() -> None:
                    help="also measure host RSS and device memory over this many steps (e.g. 10000)")
     args = p.parse_args()
     variants = args.variants.split(",")
-    from fadiag.capture import native
-
     # Build (or load) the native marks up front, so "fadiag" uses them from its first step.
-    print(f"native marks: {'loaded' if native.load('cuda') else native.status('cuda')}", flush=True)
+    marks_first(file=sys.stdout)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
     result["host_cost"] = host_cost_per_call()
