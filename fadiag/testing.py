@@ -24,6 +24,8 @@ class FakeNpuEvent:
     lag = 0.001
     strict = True
     created = 0
+    queue_ends_ns = 0
+    """When the last event recorded is passed: the stream has nothing left to run after it."""
 
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
         self.enable_timing = enable_timing
@@ -32,8 +34,12 @@ class FakeNpuEvent:
         FakeNpuEvent.created += 1
 
     def record(self, stream: Any = None) -> None:
+        if FakeNpuGraph.capturing:
+            raise RuntimeError("event recorded while a graph captures the stream: capture invalidated")
         self._recorded = time.perf_counter_ns()
         self._queried = False
+        FakeNpuEvent.queue_ends_ns = max(FakeNpuEvent.queue_ends_ns,
+                                         self._recorded + int(self.lag * 1e9))
 
     def query(self) -> bool:
         if self._recorded is None:
@@ -53,12 +59,28 @@ class FakeNpuEvent:
             raise RuntimeError("Event.synchronize() on the training path: a host sync")
 
 
+class FakeNpuGraph:
+    """`torch.npu.NPUGraph`'s capture state, as `torch.npu.is_current_stream_capturing()` reads
+    it: an event recorded while it captures raises (on a real NPU the capture is invalidated)."""
+
+    capturing = False
+
+
+class FakeNpuStream:
+    """`torch.npu.current_stream()`: `query()` is True once every event recorded has passed."""
+
+    def query(self) -> bool:
+        return time.perf_counter_ns() >= FakeNpuEvent.queue_ends_ns
+
+
 def _fake_npu_module() -> types.ModuleType:
     npu = types.ModuleType("torch.npu")
     npu.Event = FakeNpuEvent  # type: ignore[attr-defined]
     npu.is_available = lambda: True  # type: ignore[attr-defined]
     npu.device_count = lambda: 1  # type: ignore[attr-defined]
     npu.current_device = lambda: 0  # type: ignore[attr-defined]
+    npu.current_stream = lambda device=None: FakeNpuStream()  # type: ignore[attr-defined]
+    npu.is_current_stream_capturing = lambda: FakeNpuGraph.capturing  # type: ignore[attr-defined]
     npu.get_device_name = lambda device=None: "Ascend910B (fake)"  # type: ignore[attr-defined]
     npu.memory_stats = lambda device=None: {  # type: ignore[attr-defined]
         "allocated_bytes.all.current": 0, "allocated_bytes.all.peak": 0,
@@ -183,7 +205,8 @@ def fake_npu(lag: float = 0.001, strict: bool = True) -> Iterator[types.ModuleTy
             fadiag.attach(device="npu", port=0)
             out = torch_npu.npu_fusion_attention(q, k, v, 8, "BSND")[0]
     """
-    FakeNpuEvent.lag, FakeNpuEvent.strict = lag, strict
+    FakeNpuEvent.lag, FakeNpuEvent.strict, FakeNpuEvent.queue_ends_ns = lag, strict, 0
+    FakeNpuGraph.capturing = False
     saved_mod = sys.modules.get("torch_npu")
     had_npu = hasattr(torch, "npu")
     saved_npu = getattr(torch, "npu", None)

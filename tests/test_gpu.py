@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import statistics
 import sys
+import time
 
 import pytest
 import torch
@@ -196,12 +197,15 @@ def test_forward_and_backward_within_5_percent_of_cupti_kernel_time(backend, s, 
     assert 0.95 <= rb <= 1.05
 
 
-@pytest.mark.parametrize("compiled", [False, True])
-def test_the_tap_marks_windows_on_a_starved_device_host_bound_and_on_a_busy_one_not(compiled):
+@pytest.mark.parametrize("marks, compiled", [("tap", False), ("tap", True), ("native", False),
+                                             ("python", False)])
+def test_windows_on_a_starved_device_are_host_bound_and_on_a_busy_one_not(marks, compiled):
     """A device idle when the op is queued (a synchronize before each call and each backward)
     waits inside the window for the host's launches: the window may hold host time, the call is
-    host-bound and the ratio rule leaves it. A device kept 2 ms ahead: no host time at all."""
-    session = fadiag.attach(port=0, tap="on")
+    host-bound and the ratio rule leaves it. A device kept 2 ms ahead: no host time at all. So
+    whichever marks time the call: the tap's (eager and compiled), the wrapper's C++ ones and
+    its Python ones (tap off: a build that has none, or before it loads)."""
+    session = attach(marks)
     q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True)
     sdpa = F.scaled_dot_product_attention
     attention = torch.compile(lambda x: sdpa(x, x, x)) if compiled else (lambda x: sdpa(x, x, x))
@@ -446,6 +450,48 @@ def test_cuda_graph_replays_of_compiled_attention_are_counted():
     totals = session.recorder.unmeasured_totals()
     assert totals.get("cuda_graph", 0) >= 4, totals  # 4 layers' forwards, per replay
     assert session.errors == 0
+
+
+@pytest.mark.parametrize("marks", ["tap", "native", "python"])
+def test_an_eager_cuda_graph_capture_succeeds_and_its_calls_are_counted(marks):
+    """`torch.cuda.graph` over eager SDPA, in its default "global" mode, in which a timing event
+    recorded or a stream or event queried on any thread invalidates the capture: the wrapper
+    takes no mark there and the resolver, polling the marks of a step the device has not passed
+    (a 0.5 s sleep queued ahead), queries them from its own thread all through the capture."""
+    session = attach(marks)
+    q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    static = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16)
+    for _ in range(3):
+        out = F.scaled_dot_product_attention(GpuBusy.apply(q), q, q)
+        GpuBusy.apply(out).backward(torch.ones_like(out))
+        fadiag.step()
+    assert session.flush(30)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as torch.cuda.graph's documentation asks
+        for _ in range(3):
+            F.scaled_dot_product_attention(static, static, static)
+    torch.cuda.current_stream().wait_stream(side)
+    out = F.scaled_dot_product_attention(GpuBusy.apply(q), q, q)
+    torch.cuda._sleep(1_000_000_000)  # the step's end marks wait ~0.5 s behind the sleep
+    out.backward(torch.ones_like(out))
+    fadiag.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = F.scaled_dot_product_attention(static, static, static)
+        time.sleep(1.0)  # the resolver polls meanwhile (its deferral is 0.5 s)
+    graph.replay()
+    graph.replay()
+    fadiag.step()
+    assert session.flush(30)
+    torch.testing.assert_close(captured, F.scaled_dot_product_attention(static, static, static))
+    assert session.errors == 0
+    totals = session.recorder.unmeasured_totals()
+    if marks == "tap":  # the tap sees the capture and counts each replay
+        assert totals.get("cuda_graph") == 2 and not totals.get("graph_capture"), totals
+    else:
+        assert totals.get("graph_capture") == 1, totals
+    assert 4 in [r.step for r in session.history()]  # resolved while the capture ran
 
 
 # ---- flex_attention inside a compiled model -----------------------------------------------------

@@ -175,10 +175,11 @@ def test_seconds_reads_a_whole_step_in_one_call(ext):
         steps.append((start, *marks.finish(out, [])))
         out.sum().backward()
     flat = [s for call in steps for s in call]
-    secs = marks.seconds(flat, False)
-    assert len(secs) == 4 and all(x >= 0 for x in secs)
+    secs = marks.seconds(flat, False)  # per call: forward, backward seconds, host ns each holds
+    assert len(secs) == 8 and all(x >= 0 for x in secs)
     assert secs[0] == marks.elapsed(steps[0][0], steps[0][1])
-    assert secs[3] == marks.elapsed(steps[1][2], steps[1][3])
+    assert secs[5] == marks.elapsed(steps[1][2], steps[1][3])
+    assert secs[2:4] == secs[6:8] == [0.0, 0.0]  # a CPU window is host time: none is "held"
     marks.give_back_all(flat)
     assert marks.slots() == 8 and not marks.recorded(flat[0])
 
@@ -189,9 +190,9 @@ def test_seconds_waits_for_a_started_backward_until_told_to_give_up(ext):
     marks.mark(b0)  # the backward started; its end mark never came
     marks.give_back(b1)
     assert marks.seconds([f0, f1, b0, b1], False) is None
-    fwd, bwd = marks.seconds([f0, f1, b0, b1], True)
-    assert fwd >= 0 and bwd == 0.0
-    fwd, bwd = marks.seconds([f0, f1, -1, -1], False)  # no backward hooked: 0, nothing to wait for
+    fwd, bwd, _, held = marks.seconds([f0, f1, b0, b1], True)
+    assert fwd >= 0 and bwd == 0.0 and held == 0.0
+    fwd, bwd, _, _ = marks.seconds([f0, f1, -1, -1], False)  # no backward hooked: 0, nothing to wait for
     assert fwd >= 0 and bwd == 0.0
 
 
@@ -199,7 +200,7 @@ def test_seconds_of_a_call_whose_forward_mark_failed_are_nan(ext):
     marks = ext.Marks(False)
     f0, f1 = marks.take(), marks.take()
     marks.give_back(f1)  # as if its record had failed: never recorded
-    fwd, bwd = marks.seconds([f0, f1, -1, -1], False)
+    fwd, bwd, _, _ = marks.seconds([f0, f1, -1, -1], False)
     assert fwd != fwd and bwd != bwd
 
 
@@ -591,7 +592,7 @@ def test_a_call_whose_forward_marks_failed_is_left_out_of_its_step(ext):
 
     def first_failed(marks, give_up):
         out = seconds(marks, give_up)
-        return out if out is None else [(float("nan"), float("nan"))] + out[1:]
+        return out if out is None else [(float("nan"), float("nan"), 0, 0)] + out[1:]
 
     timer.seconds = first_failed
     model = GPT(layers=2)

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import fadiag
-from fadiag.testing import FakeNpuEvent, fake_npu
+from fadiag.testing import FakeNpuEvent, FakeNpuGraph, fake_npu
 
 
 @pytest.fixture
@@ -63,6 +63,58 @@ def test_events_are_resolved_only_after_query_says_done(torch_npu):
     assert s.last_step() is None or s.last_step().step < 2  # not resolved before the device finished
     assert s.flush(10)
     assert s.last_step().step == 2 and s.errors == 0
+
+
+@pytest.mark.parametrize("lag, starved", [(0.0, True), (0.5, False)])
+def test_windows_the_device_entered_idle_are_host_bound_and_the_rule_leaves_them(torch_npu, lag,
+                                                                                 starved):
+    """Python's marks, as the tap's: a stream with nothing left to run when a window opens (lag
+    0: the "device" keeps up with every event at once) passes the start mark at once and waits
+    in the window for the host, so the window may hold host time and is not judged; a device
+    half a second behind the host enters every window busy, and no window holds any."""
+    FakeNpuEvent.lag = lag
+    s = fadiag.attach(device="npu", port=0)
+    train_npu(torch_npu, "BSND", steps=4)
+    assert s.flush(10)
+    calls = [c for r in s.history() for c in r.calls if not c.probe]
+    assert len(calls) == 3 and s.errors == 0
+    for c in calls:
+        assert c.forward_seconds > 0 and c.backward_seconds > 0
+        if starved:  # on the fake, a window is host time only: what it may hold is all of it
+            assert c.host_bound and c.forward_host_seconds >= 0.9 * c.forward_seconds, c
+            assert c.backward_host_seconds >= 0.9 * c.backward_seconds, c
+        else:
+            assert (c.forward_host_seconds, c.backward_host_seconds) == (0.0, 0.0), c
+    assert s.rules.host_bound_calls == (3 if starved else 0)
+    assert (s.last_step().ratio is None) == starved  # the ratio divides device-bound windows
+
+
+def test_calls_while_a_graph_captures_the_stream_take_no_mark_and_are_counted(torch_npu):
+    """An event recorded (or a stream queried) while a graph captures the stream would
+    invalidate the user's capture; the fake raises where the device would. A call made then
+    takes no mark and is counted (graph_capture), and the backward of a call measured before
+    the capture, run inside it, takes none either: nothing fails, nothing counts as an error."""
+    s = fadiag.attach(device="npu", port=0)
+    train_npu(torch_npu, "BSND", steps=2)  # the signature learned
+    q = torch.randn(2, 64, 4, 16, requires_grad=True)
+    FakeNpuGraph.capturing = True
+    try:
+        out = torch_npu.npu_fusion_attention(q, q, q, 4, "BSND")[0]
+        out.sum().backward()
+    finally:
+        FakeNpuGraph.capturing = False
+    before = torch_npu.npu_fusion_attention(q, q, q, 4, "BSND")[0]  # measured outside
+    FakeNpuGraph.capturing = True
+    try:
+        before.sum().backward()
+    finally:
+        FakeNpuGraph.capturing = False
+    fadiag.step()
+    assert s.flush(10)
+    assert s.errors == 0
+    assert s.recorder.unmeasured_totals()["graph_capture"] == 1
+    last = s.last_step()
+    assert [c.backward_seconds for c in last.calls] == [0.0] and last.calls[0].forward_seconds > 0
 
 
 def test_fake_event_rejects_an_early_elapsed_time(torch_npu):

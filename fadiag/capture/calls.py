@@ -77,8 +77,9 @@ class Call:
         self.link = 0
         """Non-zero: the dispatcher tap times this call; its record carries this number."""
         self.idle: tuple[int, int] = (0, 0)
-        """Host ns its forward and backward windows may hold (the tap's, on CUDA): the device's
-        stream had nothing left to run when the op began to be queued (0: it was still busy)."""
+        """Host ns its forward and backward windows may hold, from the tap's records: the
+        device's stream had nothing left to run at one of the window's marks (0: it had work
+        queued at both). The resolver takes the larger of this and what the marks say."""
 
 
 def learn(call: Call, op: AttentionOp, info: CallInfo, node: Any) -> Signature:

@@ -194,6 +194,11 @@ class Recorder(StepBoundaries):
                 self.calls.append(call)
                 call.link = self.tap.link()  # the tap times it: no marks here
                 return call
+            if timer.kind != "cpu" and timer.capturing():
+                # A CUDA (NPU) graph captures this stream: a mark would invalidate the capture. The
+                # tap, where it times the call, counts its replays; here the capture is counted.
+                self.unmeasured["graph_capture"] = self.unmeasured.get("graph_capture", 0) + 1
+                return None
             call.probe = sig is None and grad and _hooks_enabled()
             if op.per_call is not None:
                 call.extra = op.per_call(args, kwargs)

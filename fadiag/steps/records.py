@@ -75,10 +75,10 @@ class CallRecord(Figures):
     forward_host_seconds: float = 0.0
     backward_host_seconds: float = 0.0
     """The host time the forward / backward window may hold: the device's stream had nothing left
-    to run when the op began to be queued, so the device passed the window's start at once and
-    waited inside it for the op's launches, up to this long (the host's time to queue the op).
-    0: the device was still busy with earlier work, and the window is device work (the
-    dispatcher tap's windows on CUDA; 0 elsewhere)."""
+    to run when the window opened (the device passed its start at once and waited inside it for
+    the op's launches) or before it closed (the device finished the op and waited for the end
+    mark), so up to this long (the host's time between the marks). 0: the device had work
+    queued at both marks, and the window is device work (CUDA and NPU; 0 on CPU)."""
 
     @property
     def host_bound(self) -> bool:

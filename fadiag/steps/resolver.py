@@ -16,6 +16,7 @@ from typing import Any
 import psutil
 
 from ..capture.calls import Call
+from ..capture.timers import relax_capture_mode
 from .boundary import ClosedStep
 from .records import CallRecord, StepReport
 
@@ -103,12 +104,15 @@ class Resolver:
     # ---- the thread ------------------------------------------------------------------------
 
     def _run(self) -> None:
+        relaxed: bool | None = None  # this thread's CUDA graph capture mode (relax_capture_mode)
         while not self._stop.is_set():
             # Woken only by the clock, flush() and stop(): every wake has to take the GIL from
             # the training thread, and on a busy host each one costs it far more than the work.
             self._wake.wait(_POLL_S if self._hurry.is_set() else _BATCH_S)
             self._wake.clear()
             try:
+                if relaxed is None:  # before this thread's first event query on CUDA
+                    relaxed = relax_capture_mode()
                 while True:
                     self._pending.append(self._queue.get_nowait())
             except queue.Empty:
@@ -188,7 +192,7 @@ class Resolver:
         for c in calls:
             by_timer.setdefault(c.timer, []).append(c)
         give_up = time.monotonic() - step.closed >= _BACKWARD_GRACE_S
-        seconds: dict[Call, tuple[float, float]] = {}
+        seconds: dict[Call, tuple[float, float, int, int]] = {}
         for t, group in by_timer.items():  # one group per device kind; native: one C++ call
             s = t.seconds([(c.fwd0, c.fwd1, c.bwd0, c.bwd1) for c in group], give_up)
             if s is None:
@@ -211,13 +215,13 @@ class Resolver:
                 self._on_error("resolver.release", e)
             c.fwd0 = c.fwd1 = c.bwd0 = c.bwd1 = None
 
-    def _report(self, step: ClosedStep, timed: list[tuple[Call, float, float]]) -> None:
+    def _report(self, step: ClosedStep, timed: list[tuple[Call, float, float, int, int]]) -> None:
         records: list[CallRecord] = []
         fwd = bwd = recompute = 0.0
         kept: int | None = 0
         standard = 0
         peak: int | None = None
-        for c, f, b in timed:
+        for c, f, b, fi, bi in timed:
             if f != f:  # the call's forward marks failed (counted as internal errors)
                 continue
             sig = c.sig
@@ -231,7 +235,9 @@ class Resolver:
                 standard_bytes=sig.standard_bytes, peak_bytes=sig.peak_bytes,
                 recompute=c.recompute, interceptor=sig.interceptor,
                 fallback_reason=sig.fallback_reason, probe=c.probe, forward_only=sig.forward_only,
-                forward_host_seconds=c.idle[0] * 1e-9, backward_host_seconds=c.idle[1] * 1e-9,
+                # The tap's (its records, on linked calls) or the marks' own.
+                forward_host_seconds=max(c.idle[0], fi) * 1e-9,
+                backward_host_seconds=max(c.idle[1], bi) * 1e-9,
                 **(c.extra.resolve() if c.extra is not None else {})))
             bwd += b
             if c.recompute:

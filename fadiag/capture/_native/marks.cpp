@@ -130,9 +130,10 @@ class Marks {
   // A step's seconds in one call, made without the GIL. `slots` holds four per call: forward
   // start, forward end, backward start, backward end (-1: none). None while a mark the device
   // has not passed is needed; a backward that started and has not ended is waited for unless
-  // `give_up_open_backward`. Otherwise two per call: forward and backward seconds, the backward
+  // `give_up_open_backward`. Otherwise four per call: forward and backward seconds, the backward
   // 0 when it was not measured, both NaN for a call whose forward marks failed (counted as
-  // errors when they did). Both ends of a pair are queried before its elapsed time is read.
+  // errors when they did); then the host ns each window may hold (Pool::held_host_ns). Both
+  // ends of a pair are queried before its elapsed time is read.
   std::optional<std::vector<double>> seconds(const std::vector<int64_t>& slots,
                                              bool give_up_open_backward) {
     TORCH_CHECK(slots.size() % 4 == 0, "fadiag marks: four slots per call");
@@ -155,14 +156,20 @@ class Marks {
       if (!pool_->done(b0) || !pool_->done(b1)) return std::nullopt;
       backward[i] = true;
     }
-    std::vector<double> out(2 * calls, 0.0);
+    std::vector<double> out(4 * calls, 0.0);
     for (size_t i = 0; i < calls; ++i) {
+      double* o = &out[4 * i];
+      const int64_t* m = &slots[4 * i];
       if (failed[i]) {
-        out[2 * i] = out[2 * i + 1] = std::numeric_limits<double>::quiet_NaN();
+        o[0] = o[1] = std::numeric_limits<double>::quiet_NaN();
         continue;
       }
-      out[2 * i] = pool_->elapsed(slots[4 * i], slots[4 * i + 1]);
-      if (backward[i]) out[2 * i + 1] = pool_->elapsed(slots[4 * i + 2], slots[4 * i + 3]);
+      o[0] = pool_->elapsed(m[0], m[1]);
+      o[2] = static_cast<double>(pool_->held_host_ns(m[0], m[1]));
+      if (backward[i]) {
+        o[1] = pool_->elapsed(m[2], m[3]);
+        o[3] = static_cast<double>(pool_->held_host_ns(m[2], m[3]));
+      }
     }
     return out;
   }
@@ -202,6 +209,8 @@ class Marks {
 
   int64_t events_created() const { return pool_->events_created(); }
   int64_t errors() const { return pool_->errors(); }
+  int64_t captured() const { return pool_->captured(); }
+  bool capturing() const { return pool_->capturing(); }
   int64_t backward_starts() const { return pool_->backward_starts(); }
   int64_t in_backward() const { return pool_->in_backward(); }
   void reset_in_backward() { pool_->reset_in_backward(); }
@@ -269,6 +278,9 @@ class FastBegin {
     if (!make_key(args, kwargs, scratch_)) return py::none();
     auto found = sigs_.find(scratch_);
     if (found == sigs_.end()) return py::none();
+    // A stream a CUDA graph captures takes no mark: Python counts the call (the tap, where it
+    // times the call, sees the capture itself).
+    if (!found->second.linked && pool_->capturing()) return py::none();
     py::object loc = location();
     if (!loc) return py::none();
     // Nothing was changed above; from here on the call is recorded.
@@ -481,6 +493,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("finish", &Marks::finish)
       .def("events_created", &Marks::events_created)
       .def("errors", &Marks::errors)
+      .def("captured", &Marks::captured)
+      .def("capturing", &Marks::capturing)
       .def("backward_starts", &Marks::backward_starts)
       .def("in_backward", &Marks::in_backward)
       .def("reset_in_backward", &Marks::reset_in_backward)

@@ -11,6 +11,7 @@
 
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -38,7 +39,8 @@ constexpr int64_t kMaxChunks = 1024;  // a million slots: far beyond any step's 
 struct Slot {
   std::atomic<uint32_t> generation{0};
   std::atomic<bool> recorded{false};
-  int64_t host_ns = 0;
+  int64_t host_ns = 0;  // when the mark was taken (on CPU: the mark itself)
+  bool idle = false;    // the device had nothing left to run when the mark was taken (see mark)
 #ifdef FADIAG_CUDA
   cudaEvent_t event = nullptr;
   int device = -1;
@@ -80,7 +82,15 @@ class Pool {
   }
 
   // Take a mark now. Never throws (hooks call it): failures go to the error counter.
-  bool mark(int64_t slot, uint32_t generation, bool check_generation) noexcept {
+  // On CUDA the stream is queried first. Nothing left to run at a window's start mark: the
+  // device passes it at once and then waits inside the window for whatever the host queues
+  // next; nothing left at its end mark: the device finished the op's kernels and waited for the
+  // mark. Either way the window may hold host time (held_host_ns).
+  // On a stream that a CUDA graph is capturing no mark is taken (false; counted in captured()):
+  // a timing event or a stream query there would invalidate the user's capture. The tap, which
+  // checks before it times an op, passes `capture_checked`.
+  bool mark(int64_t slot, uint32_t generation, bool check_generation,
+            bool capture_checked = false) noexcept {
     Slot* s = at(slot);
     if (s == nullptr) {
       errors_.fetch_add(1);
@@ -89,27 +99,55 @@ class Pool {
     if (check_generation && s->generation.load(std::memory_order_acquire) != generation) {
       return false;  // the slot was released and reused: this hook's call is long gone
     }
+    s->idle = false;
     if (cuda_) {
 #ifdef FADIAG_CUDA
       int device = 0;
-      if (cudaGetDevice(&device) != cudaSuccess || !ensure_event(s, device)) {
+      if (cudaGetDevice(&device) != cudaSuccess) {
         cudaGetLastError();
         errors_.fetch_add(1);
         return false;
       }
       cudaStream_t stream =
           c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
+      if (!capture_checked && stream_capturing(stream)) {
+        captured_.fetch_add(1);
+        return false;
+      }
+      if (!ensure_event(s, device)) {
+        cudaGetLastError();
+        errors_.fetch_add(1);
+        return false;
+      }
+      s->idle = cudaStreamQuery(stream) == cudaSuccess;
+      if (!s->idle) cudaGetLastError();
       if (cudaEventRecord(s->event, stream) != cudaSuccess) {
         cudaGetLastError();
         errors_.fetch_add(1);
         return false;
       }
 #endif
-    } else {
-      s->host_ns = steady_ns();
     }
+    s->host_ns = steady_ns();
     s->recorded.store(true, std::memory_order_release);
     return true;
+  }
+
+  // Whether a CUDA graph is capturing the current stream of the current device (false for the
+  // CPU pool, and where the query fails).
+  bool capturing() const {
+    if (!cuda_) return false;
+#ifdef FADIAG_CUDA
+    int device = 0;
+    if (cudaGetDevice(&device) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return stream_capturing(
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream());
+#else
+    return false;
+#endif
   }
 
   // A free slot (existing or new). Slots are handed out and given back from Python threads; the
@@ -125,10 +163,10 @@ class Pool {
     return next_++;
   }
 
-  // A free slot, marked now.
-  int64_t take_marked() {
+  // A free slot, marked now (`capture_checked`: see mark).
+  int64_t take_marked(bool capture_checked = false) {
     const int64_t s = take();
-    mark(s, 0, false);
+    mark(s, 0, false, capture_checked);
     return s;
   }
 
@@ -169,26 +207,6 @@ class Pool {
     return false;
   }
 
-  // Whether the current stream of the current device has nothing left to run (a stream query;
-  // no synchronisation): a mark taken now is passed at once, and the device then waits for
-  // whatever the host queues next. False for the CPU pool, and where the query fails.
-  bool stream_idle() {
-    if (!cuda_) return false;
-#ifdef FADIAG_CUDA
-    int device = 0;
-    if (cudaGetDevice(&device) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    cudaStream_t stream =
-        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
-    const cudaError_t r = cudaStreamQuery(stream);
-    if (r == cudaSuccess) return true;
-    cudaGetLastError();
-#endif
-    return false;
-  }
-
   // Seconds between two done marks; call only after done() was true for both.
   double elapsed(int64_t a, int64_t b) {
     Slot* sa = at(a);
@@ -208,6 +226,15 @@ class Pool {
 #endif
   }
 
+  // The host ns the window between two recorded marks may hold: the host's time between them
+  // when the device had nothing left to run at either mark (see mark), else 0 (at least 1).
+  int64_t held_host_ns(int64_t a, int64_t b) const {
+    const Slot* sa = at(a);
+    const Slot* sb = at(b);
+    if (sa == nullptr || sb == nullptr || !(sa->idle || sb->idle)) return 0;
+    return std::max<int64_t>(sb->host_ns - sa->host_ns, 1);
+  }
+
   // The slot may be handed out again; hooks still holding it are disarmed.
   void release(int64_t slot) {
     Slot* s = at(slot);
@@ -224,6 +251,7 @@ class Pool {
   bool cuda() const { return cuda_; }
   int64_t events_created() const { return created_.load(); }
   int64_t errors() const { return errors_.load(); }
+  int64_t captured() const { return captured_.load(); }
   int64_t backward_starts() const { return backward_starts_.load(); }
   int64_t in_backward() const { return in_backward_.load(); }
   void backward_started() {
@@ -289,6 +317,15 @@ class Pool {
   }
 
 #ifdef FADIAG_CUDA
+  static bool stream_capturing(cudaStream_t stream) {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing(stream, &status) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    return status != cudaStreamCaptureStatusNone;
+  }
+
   bool ensure_event(Slot* s, int device) {
     if (s->event != nullptr && s->device == device) return true;
     if (s->event != nullptr) cudaEventDestroy(s->event);
@@ -304,6 +341,7 @@ class Pool {
   std::atomic<Slot*> chunks_[kMaxChunks];
   std::atomic<int64_t> created_{0};
   std::atomic<int64_t> errors_{0};
+  std::atomic<int64_t> captured_{0};
   std::atomic<int64_t> backward_starts_{0};
   std::atomic<int64_t> in_backward_{0};
   std::atomic<int64_t> armed_{0};

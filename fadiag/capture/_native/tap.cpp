@@ -95,8 +95,8 @@ struct Record {
   int64_t link = 0;     // the Python wrapper's number for this call; 0: compiled code's call
   int64_t host_ns = 0;  // steady clock at the forward (the hang check's age of a call)
   // Host ns the forward / backward window may hold: the device's stream had nothing left to run
-  // when the op began to be queued, so it waited for the host inside the window, up to this
-  // long (0: the device was still busy; the window is device work).
+  // at one of its marks, so it waited for the host inside the window, up to this long (0: the
+  // device had work queued at both; the window is device work). Pool::held_host_ns.
   int64_t fi = 0, bi = 0;
 };
 
@@ -250,21 +250,15 @@ class TapState {
                                                      const c10::OperatorHandle& op,
                                                      c10::DispatchKeySet ks,
                                                      torch::jit::Stack* stack) {
-    // One stream query: with nothing left to run when the op begins to be queued, the device
-    // passes the start mark at once and then waits inside the window for the op's launches,
-    // at most as long as the host takes to queue it.
-    const bool idle_at_start = pool->stream_idle();
-    const int64_t queued = idle_at_start ? steady_ns() : 0;
-    const int64_t start = pool->take_marked();
+    const int64_t start = pool->take_marked(/*capture_checked=*/true);
     try {
       original.callBoxed(op, ks, stack);
     } catch (...) {
       pool->give_back(start);
       throw;
     }
-    const int64_t end = pool->take_marked();
-    const int64_t idle = idle_at_start ? std::max<int64_t>(steady_ns() - queued, 1) : 0;
-    return {start, end, idle};
+    const int64_t end = pool->take_marked(/*capture_checked=*/true);
+    return {start, end, pool->held_host_ns(start, end)};
   }
 
   // Shape, dtype and flags from the arguments; false when they cannot be read.
