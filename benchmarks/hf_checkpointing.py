@@ -3,7 +3,10 @@ per-site backward/forward ratio in both, and the largest per-site difference.
 
 Needs `transformers`. Prints one JSON object.
 
-    python benchmarks/hf_checkpointing.py [--steps 8] [--batch 2] [--seq 2048]
+    python benchmarks/hf_checkpointing.py [--steps 8] [--batch 2] [--seq 2048] [--marks tap]
+
+`--marks`: what times the calls — `tap` (the default once the native marks are built: the
+dispatcher tap), `native` (the wrapper's C++ marks, tap off) or `python` (its Python marks).
 
 Steps after the third are read. A site's ratio in the report is its device-bound windows' (a
 window the device spent waiting for the host's launches holds host time, CallRecord.host_bound);
@@ -28,6 +31,9 @@ from fadiag.rules.engine import ratio_calls  # noqa: E402
 from fadiag.steps.records import ratio, summarize  # noqa: E402
 
 
+MARKS = {"tap": {}, "native": {"native": "on", "tap": "off"}, "python": {"native": "off", "tap": "off"}}
+
+
 def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -41,7 +47,7 @@ def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=True)
     tokens = torch.randint(0, 32000, (args.batch, args.seq), device="cuda")
-    session = fadiag.attach(**{"exporter.enabled": False})
+    session = fadiag.attach(**{"exporter.enabled": False}, **MARKS[args.marks])
     try:
         for _ in range(args.steps):
             model(input_ids=tokens, labels=tokens).loss.backward()
@@ -86,7 +92,9 @@ def ratios(args: argparse.Namespace, checkpointing: bool) -> dict:
     read = max(1, len(session.history()[3:]))
     return {"sites": len(medians), "calls_per_step": calls / read,
             "recomputed_per_step": recomputed / read,
-            "ratio_min": min(medians.values()), "ratio_max": max(medians.values()),
+            # None: no site had a device-bound window in the read steps (all host-bound).
+            "ratio_min": min(medians.values(), default=None),
+            "ratio_max": max(medians.values(), default=None),
             "per_site": medians, "flags": flags[:20], "ratios_by_step": by_step,
             "every_window_per_site": {k: statistics.median(v) for k, v in every_window.items()},
             "steps_per_site": {k: len(v) for k, v in per_site.items()},
@@ -102,6 +110,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--batch", type=int, default=2)
     p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--marks", choices=sorted(MARKS), default="tap")
     args = p.parse_args()
     marks = marks_first()  # before attach(): measured with the native marks from the first step
     try:

@@ -150,7 +150,7 @@ def checkpointing(steps: int = 8, dim: int = 1024, heads: int = 8, batch: int = 
     """At dim 1024, B=4 the GPU waits for the host about half of each step (benchmarks/windows.py:
     busy fraction 0.4-0.5), so every event window also holds host time, more with checkpointing's
     Python; at dim 2048, B=8 the GPU stays ahead."""
-    def ratios(mode: str | None) -> dict[str, float]:
+    def ratios(mode: str | None) -> dict[str, Any]:
         torch.manual_seed(0)
         model = GPT(layers=8, dim=dim, heads=heads, vocab=512, checkpointing=mode).cuda().bfloat16()
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
@@ -164,19 +164,27 @@ def checkpointing(steps: int = 8, dim: int = 1024, heads: int = 8, batch: int = 
                 opt.zero_grad(set_to_none=True)
             assert session.flush(60)
             per_site: dict[str, list[float]] = {}
-            for r in session.history()[3:]:
+            read = session.history()[3:]
+            for r in read:
                 for site in r.sites():
                     if site.ratio is not None:
                         per_site.setdefault(site.site, []).append(site.ratio)
+            flags = [(f.rule, f.severity, round(f.value, 2), f.step, f.site)
+                     for r in session.history() for f in r.flags]
+            host_bound = sum(r.host_bound_calls for r in read) / max(1, len(read))
+            marks = session.devices.marks()
         finally:
             fadiag.detach()
-        return {k: statistics.median(v) for k, v in per_site.items()}
+        return {"per_site": {k: statistics.median(v) for k, v in per_site.items()}, "flags": flags,
+                "host_bound_per_step": host_bound, "marks": marks}
 
     plain, ckpt = ratios(None), ratios("non_reentrant")
-    diffs = {k: abs(ckpt[k] - plain[k]) / plain[k] for k in plain if k in ckpt}
+    p, c = plain["per_site"], ckpt["per_site"]
+    diffs = {k: abs(c[k] - p[k]) / p[k] for k in p if k in c}
+    # None: no site had a device-bound window in both runs (the ratios leave host-bound ones out).
     return {"size": {"layers": 8, "dim": dim, "heads": heads, "batch": batch, "seq": 2048},
-            "plain": plain, "non_reentrant": ckpt, "max_rel_diff": max(diffs.values()),
-            "sites_missing": sorted(set(plain) ^ set(ckpt))}
+            "plain": plain, "non_reentrant": ckpt, "max_rel_diff": max(diffs.values(), default=None),
+            "sites_missing": sorted(set(p) ^ set(c))}
 
 
 def main() -> None:

@@ -7,12 +7,13 @@ each call's forward and backward as fadiag measured it beside the CUPTI device t
 that call ran (in call order), the GPU's busy fraction over those steps (kernel time over wall
 time), and for FlexAttention the kernels of one backward in device order with their gaps.
 
-    python benchmarks/windows.py [--out windows.json] [--only checkpointing,compiled,flex,hf] [--batches 2,4]
+    python benchmarks/windows.py [--out windows.json] [--only checkpointing,compiled,flex,hf,floor] [--batches 2,4]
 
 Cases: an 8-layer GPT with and without non-reentrant checkpointing at two sizes (one that keeps
 the GPU waiting on the host, one that does not); the Llama-style model of benchmarks/compiled.py
 compiled at B=2 and B=4 (`--batches`); `torch.compile(flex_attention)` at S=2048 causal; with `hf` (needs
-transformers), benchmarks/hf_checkpointing.py's HF Llama with and without checkpointing.
+transformers), benchmarks/hf_checkpointing.py's HF Llama with and without checkpointing; with
+`floor`, the least a window holds: two native marks back to back on a busy stream.
 """
 
 from __future__ import annotations
@@ -239,6 +240,51 @@ def flex_backward_trace(s: int = 2048) -> dict[str, Any]:
             "span_us": (trace[-1]["start_us"] + trace[-1]["dur_us"]) if trace else 0}
 
 
+def window_floor(rounds: int = 20, per_round: int = 20) -> dict[str, Any]:
+    """What a window holds with nothing in it: a start mark and an end mark taken back to back
+    (the native marks, as the tap and the wrapper take them) while a 2 ms sleep keeps the stream
+    busy, so the device passes both with only the two event records between them; and the same
+    around one small kernel (a 1 MiB add), beside that kernel's CUPTI time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from fadiag.capture import native
+
+    marks = native.load("cuda").Marks(True)
+    x = torch.zeros(256 * 1024, device="cuda")
+
+    def windows(work: Any) -> list[float]:
+        out: list[float] = []
+        for _ in range(rounds):
+            torch.cuda._sleep(2_000_000)
+            pairs = []
+            for _ in range(per_round):
+                a = marks.start()
+                work()
+                pairs.append((a, marks.take()))
+            torch.cuda.synchronize()
+            out += [marks.elapsed(a, b) * 1e6 for a, b in pairs]
+            marks.give_back_all([m for p in pairs for m in p])
+        return out
+
+    def add() -> None:
+        x.add_(1.0)
+
+    empty = windows(lambda: None)
+    windows(add)  # warm
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        around = windows(add)
+    kernels = [e.device_time for e in prof.events() if e.device_type == DeviceType.CUDA
+               and "sleep" not in e.name.lower()]
+
+    def stats(v: list[float]) -> dict[str, float]:
+        q = statistics.quantiles(v, n=10)
+        return {"n": len(v), "median_us": round(statistics.median(v), 3), "p10_us": round(q[0], 3),
+                "p90_us": round(q[-1], 3)}
+
+    return {"empty_window": stats(empty), "window_around_add": stats(around),
+            "add_kernel_cupti": stats(kernels) if len(kernels) >= 2 else None}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="windows.json")
@@ -278,6 +324,10 @@ def main() -> None:
     if "flex" in only:
         result["flex"] = flex_backward_trace()
         print(json.dumps({k: result["flex"][k] for k in ("calls", "kernel_sum_us", "span_us")}), flush=True)
+        save()
+    if "floor" in only:
+        result["floor"] = window_floor()
+        print(json.dumps(result["floor"]), flush=True)
         save()
     if "compiled" in only:
         result["compiled"] = []
