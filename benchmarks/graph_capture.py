@@ -16,16 +16,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import fadiag  # noqa: E402
 import fadiag.steps.resolver as resolver  # noqa: E402
-from tests.models import GpuBusy  # noqa: E402
+from tests.models import capture_behind_a_pending_step  # noqa: E402
 
 
 def main() -> None:
@@ -39,30 +37,8 @@ def main() -> None:
         resolver.relax_capture_mode = lambda: False
     session = fadiag.attach(port=0, native="off" if a.marks == "python" else "on",
                             tap="on" if a.marks == "tap" else "off")
-    q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True)
-    static = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16)
-    for _ in range(3):
-        out = F.scaled_dot_product_attention(GpuBusy.apply(q), q, q)
-        GpuBusy.apply(out).backward(torch.ones_like(out))
-        fadiag.step()
-    session.flush(30)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up, as torch.cuda.graph's documentation asks
-        for _ in range(3):
-            F.scaled_dot_product_attention(static, static, static)
-    torch.cuda.current_stream().wait_stream(side)
-    out = F.scaled_dot_product_attention(GpuBusy.apply(q), q, q)
-    torch.cuda._sleep(1_000_000_000)  # the step's end marks wait ~0.5 s behind the sleep
-    out.backward(torch.ones_like(out))
-    fadiag.step()
-    graph = torch.cuda.CUDAGraph()
     try:
-        with torch.cuda.graph(graph):
-            F.scaled_dot_product_attention(static, static, static)
-            time.sleep(1.0)  # the resolver polls meanwhile
-        graph.replay()
-        torch.cuda.synchronize()
+        capture_behind_a_pending_step(session, replays=1)
         result = "capture ok"
     except Exception as e:
         result = f"capture FAILED {type(e).__name__}: {str(e).splitlines()[0][:200]}"

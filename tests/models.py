@@ -108,3 +108,43 @@ class GpuBusy(torch.autograd.Function):
     def backward(ctx, g):
         torch.cuda._sleep(2_000_000)
         return g
+
+
+def capture_behind_a_pending_step(session, replays: int = 2):
+    """Eager SDPA captured into a CUDA graph (torch.cuda.graph, its default "global" mode) while
+    the resolver polls a step the device has not passed: three measured warm-up steps, one whose
+    marks wait behind a ~0.5 s sleep, then the capture, with a 1 s host sleep inside it (the
+    resolver's deferral is 0.5 s). Returns (captured output, static input) after `replays`
+    replays; raises what the capture raises. Used by tests/test_gpu.py and
+    benchmarks/graph_capture.py."""
+    import time
+
+    import torch.nn.functional as F
+
+    import fadiag
+
+    q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    static = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16)
+    for _ in range(3):
+        out = F.scaled_dot_product_attention(GpuBusy.apply(q), q, q)
+        GpuBusy.apply(out).backward(torch.ones_like(out))
+        fadiag.step()
+    session.flush(30)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up, as torch.cuda.graph's documentation asks
+        for _ in range(3):
+            F.scaled_dot_product_attention(static, static, static)
+    torch.cuda.current_stream().wait_stream(side)
+    out = F.scaled_dot_product_attention(GpuBusy.apply(q), q, q)
+    torch.cuda._sleep(1_000_000_000)  # the step's end marks wait ~0.5 s behind the sleep
+    out.backward(torch.ones_like(out))
+    fadiag.step()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = F.scaled_dot_product_attention(static, static, static)
+        time.sleep(1.0)  # the resolver polls meanwhile
+    for _ in range(replays):
+        graph.replay()
+    torch.cuda.synchronize()
+    return captured, static

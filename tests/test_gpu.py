@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fadiag
-from tests.models import GPT, GpuBusy
+from tests.models import GPT, GpuBusy, capture_behind_a_pending_step
 
 pytestmark = [
     pytest.mark.gpu,
@@ -459,29 +458,7 @@ def test_an_eager_cuda_graph_capture_succeeds_and_its_calls_are_counted(marks):
     takes no mark there and the resolver, polling the marks of a step the device has not passed
     (a 0.5 s sleep queued ahead), queries them from its own thread all through the capture."""
     session = attach(marks)
-    q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True)
-    static = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16)
-    for _ in range(3):
-        out = F.scaled_dot_product_attention(GpuBusy.apply(q), q, q)
-        GpuBusy.apply(out).backward(torch.ones_like(out))
-        fadiag.step()
-    assert session.flush(30)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up, as torch.cuda.graph's documentation asks
-        for _ in range(3):
-            F.scaled_dot_product_attention(static, static, static)
-    torch.cuda.current_stream().wait_stream(side)
-    out = F.scaled_dot_product_attention(GpuBusy.apply(q), q, q)
-    torch.cuda._sleep(1_000_000_000)  # the step's end marks wait ~0.5 s behind the sleep
-    out.backward(torch.ones_like(out))
-    fadiag.step()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = F.scaled_dot_product_attention(static, static, static)
-        time.sleep(1.0)  # the resolver polls meanwhile (its deferral is 0.5 s)
-    graph.replay()
-    graph.replay()
+    captured, static = capture_behind_a_pending_step(session, replays=2)
     fadiag.step()
     assert session.flush(30)
     torch.testing.assert_close(captured, F.scaled_dot_product_attention(static, static, static))
