@@ -1,8 +1,10 @@
 """Test doubles shipped with fadiag: a fake Ascend stack (`torch_npu` + `torch.npu`) on CPU.
 
 The fake follows the real signatures (op-plugin's `npu_fusion_attention`, grad_fn
-`NpuFusionAttentionBackward0`, softmax stats fp32 [B, N, Sq, 8]) and the real event rule that
-matters: `elapsed_time` synchronises on NPU, so the fake one raises unless `query()` was True.
+`NpuFusionAttentionBackward0`, softmax stats fp32 [B, N, Sq, 8]) and the real event rules that
+matter: `elapsed_time` synchronises on NPU, so the fake one raises unless `query()` was True; an
+event recorded while a graph captures the stream invalidates the capture, so the fake raises;
+and `current_stream().query()` is True once every event recorded has passed.
 """
 
 from __future__ import annotations
