@@ -117,6 +117,25 @@ def test_calls_while_a_graph_captures_the_stream_take_no_mark_and_are_counted(to
     assert [c.backward_seconds for c in last.calls] == [0.0] and last.calls[0].forward_seconds > 0
 
 
+def test_a_window_holds_host_time_when_the_stream_was_idle_at_either_mark(torch_npu):
+    """EventTimer.held: idle at the start mark (the device waited for the op's launches) or at
+    the end mark (it finished the op and waited for the mark): the host's time between the two
+    marks; busy at both: none."""
+    from fadiag.capture.timers import EventTimer
+
+    timer = EventTimer("npu", torch.npu)
+    FakeNpuEvent.lag = 10.0  # every mark after the first finds the stream busy
+    first = timer.mark()
+    busy_start, busy_end = timer.mark(), timer.mark()
+    assert first.fadiag_host[0] and not busy_start.fadiag_host[0] and not busy_end.fadiag_host[0]
+    assert timer.held(busy_start, busy_end) == 0
+    assert timer.held(first, busy_end) == busy_end.fadiag_host[1] - first.fadiag_host[1] > 0
+    FakeNpuEvent.lag, FakeNpuEvent.queue_ends_ns = 0.0, 0  # the device drained before the end
+    idle_end = timer.mark()
+    assert idle_end.fadiag_host[0]
+    assert timer.held(busy_start, idle_end) == idle_end.fadiag_host[1] - busy_start.fadiag_host[1]
+
+
 def test_fake_event_rejects_an_early_elapsed_time(torch_npu):
     FakeNpuEvent.lag = 10.0
     a, b = torch.npu.Event(enable_timing=True), torch.npu.Event(enable_timing=True)
