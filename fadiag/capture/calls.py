@@ -52,7 +52,7 @@ class Call:
 
     __slots__ = ("sig", "site", "timer", "fwd0", "fwd1", "bwd0", "bwd1", "remaining", "host_ns",
                  "recompute", "aborted", "mem0", "probe", "saved", "key", "info", "qkv", "extra",
-                 "link", "idle")
+                 "link")
 
     def __init__(self, site: str, timer: Any, recompute: bool, key: Any, info: CallInfo | None,
                  qkv: tuple[Any, Any, Any]):
@@ -76,10 +76,6 @@ class Call:
         self.extra: Any = None  # AttentionOp.per_call's figures
         self.link = 0
         """Non-zero: the dispatcher tap times this call; its record carries this number."""
-        self.idle: tuple[int, int] = (0, 0)
-        """Host ns its forward and backward windows may hold, from the tap's records: the
-        device's stream had nothing left to run at one of the window's marks (0: it had work
-        queued at both). The resolver takes the larger of this and what the marks say."""
 
 
 def learn(call: Call, op: AttentionOp, info: CallInfo, node: Any) -> Signature:

@@ -264,7 +264,6 @@ class Tap:
                 continue
             call.timer = self.timers["cuda" if r[17] else "cpu"]
             call.fwd0, call.fwd1, call.bwd0, call.bwd1 = r[1], r[2], r[3], r[4]
-            call.idle = (r[19], r[20])
         self.unrecorded += missing
         self._forget_later()
         before = self.no_grad
@@ -323,7 +322,7 @@ class Tap:
         calls = []
         for phase, n, r in named:
             (op_i, f0, f1, b0, b1, shape, dv, kvh, dtype, device, _index, causal, dropout,
-             _scale, recompute, _, kept, cuda, _link, f_idle, b_idle) = r
+             _scale, recompute, _, kept, cuda, _link) = r
             timer = self.timers["cuda" if cuda else "cpu"]
             if not recompute and (phase, n) not in backward_by_site and not record_no_grad:
                 self.no_grad += 1
@@ -342,7 +341,6 @@ class Tap:
             call = call_class(f"{SITE}#{n}", timer, recompute, None, None, None)
             call.sig = sig
             call.fwd0, call.fwd1, call.bwd0, call.bwd1 = f0, f1, b0, b1
-            call.idle = (f_idle, b_idle)
             calls.append(call)
         return calls
 

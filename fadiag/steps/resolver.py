@@ -235,9 +235,7 @@ class Resolver:
                 standard_bytes=sig.standard_bytes, peak_bytes=sig.peak_bytes,
                 recompute=c.recompute, interceptor=sig.interceptor,
                 fallback_reason=sig.fallback_reason, probe=c.probe, forward_only=sig.forward_only,
-                # The tap's (its records, on linked calls) or the marks' own.
-                forward_host_seconds=max(c.idle[0], fi) * 1e-9,
-                backward_host_seconds=max(c.idle[1], bi) * 1e-9,
+                forward_host_seconds=fi * 1e-9, backward_host_seconds=bi * 1e-9,
                 **(c.extra.resolve() if c.extra is not None else {})))
             bwd += b
             if c.recompute:

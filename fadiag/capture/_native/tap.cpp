@@ -94,10 +94,6 @@ struct Record {
   bool cuda = false;
   int64_t link = 0;     // the Python wrapper's number for this call; 0: compiled code's call
   int64_t host_ns = 0;  // steady clock at the forward (the hang check's age of a call)
-  // Host ns the forward / backward window may hold: the device's stream had nothing left to run
-  // at one of its marks, so it waited for the host inside the window, up to this long (0: the
-  // device had work queued at both; the window is device work). Pool::held_host_ns.
-  int64_t fi = 0, bi = 0;
 };
 
 constexpr size_t kMaxPairs = 1 << 16;  // pairing entries kept between drains, at most
@@ -177,8 +173,7 @@ class TapState {
           py::make_tuple(r.b, r.h, r.sq, r.sk, r.d), r.dv, r.kv_heads, dtype,
           c10::DeviceTypeName(r.device_type, /*lower_case=*/true), r.device_index, r.causal,
           r.dropout, r.scale, r.recompute, r.phase,
-          r.kept < 0 ? py::object(py::none()) : py::object(py::int_(r.kept)), r.cuda, r.link,
-          r.fi, r.bi));
+          r.kept < 0 ? py::object(py::none()) : py::object(py::int_(r.kept)), r.cuda, r.link));
     }
     return out;
   }
@@ -243,13 +238,12 @@ class TapState {
   }
 #endif
 
-  // The original kernel between two marks: (start, end, host ns the window may hold; see
-  // Record::fi). The op's own error passes through, its start mark given back.
-  static std::tuple<int64_t, int64_t, int64_t> timed(Pool* pool,
-                                                     const c10::SafeKernelFunction& original,
-                                                     const c10::OperatorHandle& op,
-                                                     c10::DispatchKeySet ks,
-                                                     torch::jit::Stack* stack) {
+  // The original kernel between two marks: (start, end); the host time the window may hold
+  // is read from the two slots with its seconds (Pool::held_host_ns). The op's own error passes
+  // through, its start mark given back.
+  static std::pair<int64_t, int64_t> timed(Pool* pool, const c10::SafeKernelFunction& original,
+                                           const c10::OperatorHandle& op, c10::DispatchKeySet ks,
+                                           torch::jit::Stack* stack) {
     const int64_t start = pool->take_marked(/*capture_checked=*/true);
     try {
       original.callBoxed(op, ks, stack);
@@ -257,8 +251,7 @@ class TapState {
       pool->give_back(start);
       throw;
     }
-    const int64_t end = pool->take_marked(/*capture_checked=*/true);
-    return {start, end, pool->held_host_ns(start, end)};
+    return {start, pool->take_marked(/*capture_checked=*/true)};
   }
 
   // Shape, dtype and flags from the arguments; false when they cannot be read.
@@ -349,7 +342,7 @@ class TapState {
 #endif
     r.recompute = torch::autograd::get_current_graph_task_id() != -1;
     r.host_ns = steady_ns();
-    std::tie(r.f0, r.f1, r.fi) = timed(pool, original, op, ks, stack);
+    std::tie(r.f0, r.f1) = timed(pool, original, op, ks, stack);
     try {
       auto results = torch::jit::last(*stack, nrets);
       Ptr p{ptr_of(results[s.out]), ptr_of(results[s.lse])};
@@ -487,13 +480,12 @@ class TapState {
     backwards_.fetch_add(1);
     pool->backward_seen();  // a backward ran: the recorder's next forward starts a micro-batch
     pool->tap_window(true);
-    const auto [b0, b1, bi] = timed(pool, original, op, ks, stack);
+    const auto [b0, b1] = timed(pool, original, op, ks, stack);
     std::lock_guard<std::mutex> lock(mu_);
     if (waiting(id)) {
       Record& r = records_[static_cast<size_t>(id - first_id_)];
       r.b0 = b0;
       r.b1 = b1;
-      r.bi = bi;
       r.kept = kept;
       if (--waiting_ <= 0) pool->tap_window(false);  // the last awaited backward op of the pass
     } else {  // drained already, or a second backward through a retained graph
