@@ -43,7 +43,6 @@
 #include <vector>
 
 #ifdef FADIAG_CUDA
-#include <c10/cuda/CUDAGraphsC10Utils.h>
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
@@ -231,13 +230,6 @@ class TapState {
     return nullptr;
   }
 
-#ifdef FADIAG_CUDA
-  // Whether the current stream (of the device a guard made current) is being captured.
-  static bool capturing() {
-    return c10::cuda::currentStreamCaptureStatusMayInitCtx() != c10::cuda::CaptureStatus::None;
-  }
-#endif
-
   // The original kernel between two marks: (start, end); the host time the window may hold
   // is read from the two slots with its seconds (Pool::held_host_ns). The op's own error passes
   // through, its start mark given back.
@@ -332,7 +324,7 @@ class TapState {
     std::optional<c10::cuda::CUDAGuard> guard;
     if (r.cuda) {
       guard.emplace(static_cast<c10::DeviceIndex>(r.device_index));
-      if (capturing()) {
+      if (pool->capturing()) {  // the current stream of the device the guard made current
         captured_.fetch_add(1);  // counted per replay by Python (torch.cuda.CUDAGraph.replay)
         original.callBoxed(op, ks, stack);
         remember(torch::jit::last(*stack, nrets), s, kUnmeasured);
@@ -470,7 +462,7 @@ class TapState {
       guard.emplace(device);
       // A backward captured into a CUDA graph (its forward measured outside one): a timing
       // event recorded while the stream captures would fail, and invalidate the capture.
-      if (capturing()) {
+      if (pool->capturing()) {  // the current stream of the device the guard made current
         unpaired_.fetch_add(1);
         original.callBoxed(op, ks, stack);
         return;
