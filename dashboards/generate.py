@@ -515,9 +515,9 @@ def overview() -> dict:
         timeseries(
             "Host-bound attention calls per second by implementation",
             "Measured calls whose device window may hold host time: the device had nothing left "
-            "to run when the op began to be queued (a starved device: a small batch, or "
-            "checkpointing's recomputation queued by Python) and waited inside the window for the "
-            "op's launches. Their seconds are an upper bound, and ratios and the ratio rule leave "
+            "to run when the window opened or before it closed (a starved device: a small batch, "
+            "or checkpointing's recomputation queued by Python) and waited inside the window for "
+            "the host. Their seconds are an upper bound, and ratios and the ratio rule leave "
             "them out. 0 when the device runs ahead of the host, as in GPU-bound training; a "
             "share of the calls panel's rate here means the ratios rest on the other calls.",
             [target(f"sum by (impl) (rate(fadiag_attention_host_bound_calls_total{{{SEL}}}[{RATE}]))",

@@ -194,9 +194,10 @@ class Metrics(Sink):
         yield c
         c = CounterMetricFamily("fadiag_attention_host_bound_calls",
                                 "Measured attention calls whose device window may hold host time "
-                                "(the device had nothing left to run when the op began to be "
-                                "queued, and waited for its launches): their seconds are an upper "
-                                "bound, and the ratio rule does not judge them.", labels=["rank", "impl"])
+                                "(the device had nothing left to run when the window opened or "
+                                "before it closed, and waited for the host inside it): their "
+                                "seconds are an upper bound, and the ratio rule does not judge "
+                                "them.", labels=["rank", "impl"])
         for impl in sorted(calls.keys() | host_bound.keys()):  # 0: measured, none host-bound
             c.add_metric([r, impl], host_bound.get(impl, 0))
         yield c
