@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+
 def _seconds_each(timer: Any, marks: list[tuple[Any, Any, Any, Any]],
                   give_up_open_backward: bool) -> list[tuple[float, float, int, int]] | None:
     """(forward, backward) seconds per call from marks read one at a time, then the host ns each
