@@ -21,7 +21,8 @@ import torch
 
 
 class FakeNpuEvent:
-    """An NPU event whose work "finishes" `lag` seconds after it is recorded."""
+    """An NPU event the "device" passes `lag` seconds after it is recorded (`lag` as it was at
+    the record), and never before an event recorded ahead of it: one stream, in order."""
 
     lag = 0.001
     strict = True
@@ -32,6 +33,7 @@ class FakeNpuEvent:
     def __init__(self, enable_timing: bool = False, blocking: bool = False, interprocess: bool = False):
         self.enable_timing = enable_timing
         self._recorded: int | None = None
+        self._passed_ns = 0
         self._queried = False
         FakeNpuEvent.created += 1
 
@@ -40,13 +42,13 @@ class FakeNpuEvent:
             raise RuntimeError("event recorded while a graph captures the stream: capture invalidated")
         self._recorded = time.perf_counter_ns()
         self._queried = False
-        FakeNpuEvent.queue_ends_ns = max(FakeNpuEvent.queue_ends_ns,
-                                         self._recorded + int(self.lag * 1e9))
+        self._passed_ns = max(FakeNpuEvent.queue_ends_ns, self._recorded + int(self.lag * 1e9))
+        FakeNpuEvent.queue_ends_ns = self._passed_ns
 
     def query(self) -> bool:
         if self._recorded is None:
             return True
-        done = time.perf_counter_ns() >= self._recorded + int(self.lag * 1e9)
+        done = time.perf_counter_ns() >= self._passed_ns
         self._queried = self._queried or done
         return done
 

@@ -143,7 +143,7 @@ def test_take_and_finish_hand_out_slots_and_give_them_back(ext):
     q = torch.randn(1, 2, 8, 4, requires_grad=True)
     start = marks.take()
     out = F.scaled_dot_product_attention(q, q, q)
-    fwd, bwd0, bwd1 = marks.finish(out, [])
+    fwd, bwd0, bwd1 = marks.finish(out, [], start)
     assert len({start, fwd, bwd0, bwd1}) == 4 and marks.slots() == 4
     assert marks.done(start) and marks.done(fwd) and marks.elapsed(start, fwd) >= 0
     assert not marks.recorded(bwd0) and not marks.recorded(bwd1)
@@ -160,9 +160,9 @@ def test_finish_on_an_output_without_grad_fn_gives_the_hook_slots_back(ext):
     marks = ext.Marks(False)
     with torch.no_grad():
         out = F.scaled_dot_product_attention(*(torch.randn(1, 1, 4, 4),) * 3)
-    fwd, bwd0, bwd1 = marks.finish(out, [])
+    fwd, bwd0, bwd1 = marks.finish(out, [], marks.take())
     assert marks.done(fwd) and bwd0 is None and bwd1 is None
-    assert marks.take() != fwd and marks.slots() == 3  # the two hook slots went back to the pool
+    assert marks.take() != fwd and marks.slots() == 4  # the two hook slots went back to the pool
 
 
 def test_seconds_reads_a_whole_step_in_one_call(ext):
@@ -172,7 +172,7 @@ def test_seconds_reads_a_whole_step_in_one_call(ext):
     for _ in range(2):
         start = marks.take()
         out = F.scaled_dot_product_attention(q, q, q)
-        steps.append((start, *marks.finish(out, [])))
+        steps.append((start, *marks.finish(out, [], start)))
         out.sum().backward()
     flat = [s for call in steps for s in call]
     secs = marks.seconds(flat, False)  # per call: forward, backward seconds, host ns each holds
@@ -209,10 +209,10 @@ def test_the_backward_window_spans_the_hooked_backwards(ext):
     marks = ext.Marks(False)
     q = torch.randn(1, 2, 8, 4, requires_grad=True)
     out1 = F.scaled_dot_product_attention(q, q, q)
-    marks.finish(out1, [])
+    marks.finish(out1, [], marks.take())
     x = out1 * 2
     out2 = F.scaled_dot_product_attention(x, x, x)
-    marks.finish(out2, [])
+    marks.finish(out2, [], marks.take())
     seen = {}
 
     def look(when):
@@ -232,10 +232,10 @@ def test_a_graph_freed_without_backward_does_not_hold_the_window_open(ext):
     marks = ext.Marks(False)
     q = torch.randn(1, 2, 8, 4, requires_grad=True)
     dropped = F.scaled_dot_product_attention(q, q, q)
-    marks.finish(dropped, [])
+    marks.finish(dropped, [], marks.take())
     del dropped  # evaluation with grad on, an unused output: its hooks go with its graph
     out = F.scaled_dot_product_attention(q, q, q)
-    marks.finish(out, [])
+    marks.finish(out, [], marks.take())
     out.sum().backward()
     assert marks.backward_starts() == 1 and not marks.window()
 

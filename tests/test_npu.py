@@ -8,6 +8,7 @@ which is what would synchronise a real NPU.
 from __future__ import annotations
 
 import sys
+import time
 
 import pytest
 import torch
@@ -117,23 +118,41 @@ def test_calls_while_a_graph_captures_the_stream_take_no_mark_and_are_counted(to
     assert [c.backward_seconds for c in last.calls] == [0.0] and last.calls[0].forward_seconds > 0
 
 
-def test_a_window_holds_host_time_when_the_stream_was_idle_at_either_mark(torch_npu):
-    """EventTimer.held: idle at the start mark (the device waited for the op's launches) or at
-    the end mark (it finished the op and waited for the mark): the host's time between the two
-    marks; busy at both: none."""
+def test_a_window_holds_host_time_when_the_device_passed_its_start_before_its_end_mark(torch_npu):
+    """EventTimer.held: a window's end mark asks whether the device has passed its start. Passed
+    — idle at the start, run dry between the marks while the host was still queueing the op, or
+    done with the op before the end mark — the window may hold the host's time between the
+    marks; not passed, every kernel was queued before the device got there: none. The second
+    case is one no query of the stream at either mark can see: it is busy at both."""
     from fadiag.capture.timers import EventTimer
 
     timer = EventTimer("npu", torch.npu)
-    FakeNpuEvent.lag = 10.0  # every mark after the first finds the stream busy
-    first = timer.mark()
-    busy_start, busy_end = timer.mark(), timer.mark()
-    assert first.fadiag_host[0] and not busy_start.fadiag_host[0] and not busy_end.fadiag_host[0]
-    assert timer.held(busy_start, busy_end) == 0
-    assert timer.held(first, busy_end) == busy_end.fadiag_host[1] - first.fadiag_host[1] > 0
-    FakeNpuEvent.lag, FakeNpuEvent.queue_ends_ns = 0.0, 0  # the device drained before the end
-    idle_end = timer.mark()
-    assert idle_end.fadiag_host[0]
-    assert timer.held(busy_start, idle_end) == idle_end.fadiag_host[1] - busy_start.fadiag_host[1]
+    stream = torch.npu.current_stream()
+
+    def window(host_seconds: float):
+        """An op whose host side takes `host_seconds` before it queues its kernel."""
+        start = timer.mark()
+        time.sleep(host_seconds)
+        FakeNpuEvent().record()  # the op's kernel
+        busy = not stream.query()
+        end = timer.mark(start)
+        return start, end, busy
+
+    def host_gap(start, end) -> int:
+        return end.fadiag_host[1] - start.fadiag_host[1]
+
+    FakeNpuEvent.lag = 0.5  # the device runs half a second behind the host
+    timer.mark()  # work queued ahead
+    start, end, busy = window(0.0)
+    assert busy and not end.fadiag_host[0] and timer.held(start, end) == 0
+    start, end, busy = window(0.6)  # the device ran dry while the host worked: busy at both marks
+    assert busy and end.fadiag_host[0] and timer.held(start, end) == host_gap(start, end) >= 6e8
+    FakeNpuEvent.lag = 0.0  # the device keeps up: idle at the start, done before the end
+    while not stream.query():
+        time.sleep(0.01)
+    start, end, _ = window(0.0)
+    assert timer.held(start, end) == host_gap(start, end) > 0
+    assert not timer.mark().fadiag_host[0]  # a start mark asks nothing
 
 
 def test_fake_event_rejects_an_early_elapsed_time(torch_npu):

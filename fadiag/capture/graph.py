@@ -130,7 +130,7 @@ def hook_backward(call: Call, sig: Signature, node: Any, qkv: tuple[Any, Any, An
             call.remaining -= 1
             if call.remaining == 0:
                 rec.in_backward = max(0, rec.in_backward - 1)
-                call.bwd1 = timer.mark()
+                call.bwd1 = timer.mark(call.bwd0)
                 if probe and call.mem0 is not None and sig.peak_bytes is not None:
                     bwd_peak = window_peak(call.mem0, timer.memory_stats())
                     sig.peak_bytes = max(sig.peak_bytes, bwd_peak)

@@ -49,7 +49,7 @@ class CpuTimer:
     name = "cpu"
     native = False
 
-    def mark(self) -> int:
+    def mark(self, since: Any = None) -> int:
         return time.perf_counter_ns()
 
     @staticmethod
@@ -107,8 +107,7 @@ class EventTimer:
         self._free: deque[Any] = deque()
         self._created = 0
         fast = _fast_cuda_stream() if kind == "cuda" else None
-        self._stream, self._record, self._query = fast if fast is not None else (None, None, None)
-        self._current_stream = getattr(module, "current_stream", None)  # the plain path's
+        self._stream, self._record = fast if fast is not None else (None, None)
         capturing = (getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) if kind == "cuda"
                      else getattr(module, "is_current_stream_capturing", None))
         self.capturing: Callable[[], bool] = capturing or (lambda: False)
@@ -117,9 +116,10 @@ class EventTimer:
         self.current_device = _current_device_reader(module)
         self.name = device_name(module, kind)
 
-    def mark(self) -> Any:
-        """An event recorded now on the current stream, after a query of that stream (`held`);
-        None (no mark) on a stream a graph is capturing."""
+    def mark(self, since: Any = None) -> Any:
+        """An event recorded now on the current stream; None (no mark) on a stream a graph is
+        capturing. A window's end mark names its start (`since`) and first asks whether the
+        device has passed it (`held`)."""
         if self.capturing():
             return None
         try:
@@ -127,14 +127,12 @@ class EventTimer:
         except IndexError:
             ev = self._event(enable_timing=True)
             self._created += 1
+        passed = since is not None and bool(since.query())
         if self._stream is not None:
-            stream = self._stream()
-            idle = bool(self._query(stream))
-            self._record(ev, stream)
+            self._record(ev, self._stream())
         else:
-            idle = self._current_stream is not None and bool(self._current_stream().query())
             ev.record()
-        ev.fadiag_host = (idle, time.perf_counter_ns())
+        ev.fadiag_host = (passed, time.perf_counter_ns())
         return ev
 
     @staticmethod
@@ -144,11 +142,13 @@ class EventTimer:
     @staticmethod
     def held(start: Any, end: Any) -> int:
         """The host ns the window between two marks may hold: their host-clock gap when the
-        stream had nothing left to run at either mark, else 0 (at least 1 when it had). Idle at
-        the start, the device passed it at once and then waited inside the window for the
-        host's launches; idle at the end, it finished the op and waited for the end mark."""
-        (idle0, t0), (idle1, t1) = start.fadiag_host, end.fadiag_host
-        return max(t1 - t0, 1) if idle0 or idle1 else 0
+        device had passed the start mark before the end mark was taken, else 0 (at least 1 when
+        it had). Passed, the device reached the window while the host was still queueing the
+        op's work, and may have waited inside it for the host's launches — idle at the start,
+        run dry between the marks, or done with the op before the end mark. Not passed, every
+        kernel of the window was queued before the device got there: device time only."""
+        t0, (passed, t1) = start.fadiag_host[1], end.fadiag_host
+        return max(t1 - t0, 1) if passed else 0
 
     @staticmethod
     def done(mark: Any) -> bool:
@@ -184,12 +184,13 @@ class NativeTimer:
     """
 
     native = True
-    mark: Callable[[], int]
-    """Take a slot and mark it now."""
-    finish: Callable[[Any, tuple[int, ...]], tuple[int, int | None, int | None]]
-    """The forward's end mark, then C++ hooks on `out`'s backward (start) and on the end node that
-    `path` leads to: (forward end, backward start, backward end), the last two None when `out`
-    cannot be hooked."""
+    mark: Callable[..., int]
+    """Take a slot and mark it now; a window's end mark names its start (`since`, as
+    EventTimer.mark)."""
+    finish: Callable[[Any, tuple[int, ...], int], tuple[int, int | None, int | None]]
+    """The end mark of the forward that `start` opened, then C++ hooks on `out`'s backward (start)
+    and on the end node that `path` leads to: (forward end, backward start, backward end), the
+    last two None when `out` cannot be hooked."""
 
     def __init__(self, kind: str, extension: Any, module: Any = None):
         self.kind = kind
@@ -289,9 +290,8 @@ def _allocator_stats(module: Any, device: int | None = None) -> dict[str, int]:
     }
 
 
-def _fast_cuda_stream() -> tuple[Callable[[], Any], Callable[..., None], Callable[[Any], bool]] | None:
-    """(current stream, record an event on a stream, query a stream) without building a Stream
-    object per call.
+def _fast_cuda_stream() -> tuple[Callable[[], Any], Callable[..., None]] | None:
+    """(current stream, record an event on a stream) without building a Stream object per call.
 
     `torch.cuda.Event.record()` and `torch.cuda.current_stream()` construct a Python Stream each
     time — most of a record's host cost. The current stream is looked up the same way (per
@@ -302,7 +302,6 @@ def _fast_cuda_stream() -> tuple[Callable[[], Any], Callable[..., None], Callabl
         get_stream = torch._C._cuda_getCurrentStream
         get_device = torch._C._cuda_getDevice
         record = torch._C._CudaEventBase.record
-        query = torch._C._CudaStreamBase.query
     except AttributeError:
         return None
     streams: dict[Any, Any] = {}
@@ -315,7 +314,7 @@ def _fast_cuda_stream() -> tuple[Callable[[], Any], Callable[..., None], Callabl
                                                        device_type=data[2])
         return stream
 
-    return current, record, query
+    return current, record
 
 
 _CU_STREAM_CAPTURE_MODE_RELAXED = 2  # CUstreamCaptureMode (cuda.h)

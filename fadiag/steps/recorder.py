@@ -286,14 +286,15 @@ class Recorder(StepBoundaries):
                     and not compiled_autograd_active()):
                 # The steady state with native marks: one C++ call takes the end mark and hooks
                 # the backward.
-                call.fwd1, call.bwd0, call.bwd1 = timer.finish(op.output(out), sig.fused_path)
+                call.fwd1, call.bwd0, call.bwd1 = timer.finish(op.output(out), sig.fused_path,
+                                                               call.fwd0)
                 if call.bwd0 is not None:
                     if not self._native_hooked:
                         self._native_starts = self.native_backward_starts()
                     self._native_hooked += 1
                     return
             else:
-                call.fwd1 = timer.mark()
+                call.fwd1 = timer.mark(call.fwd0)
             t = op.output(out)
             node = getattr(t, "grad_fn", None)
             if sig is None:

@@ -76,10 +76,13 @@ struct StartHook : torch::autograd::FunctionPreHook {
   bool fired_ = false;
 };
 
-// Backward end: after the node that produces the gradients of q, k and v has run.
+// Backward end: after the node that produces the gradients of q, k and v has run. It closes the
+// window the start hook's slot opened (Pool::mark's `since`).
 struct EndHook : torch::autograd::FunctionPostHook {
-  EndHook(std::shared_ptr<Pool> pool, int64_t slot, uint32_t generation)
-      : pool_(std::move(pool)), slot_(slot), generation_(generation) {
+  EndHook(std::shared_ptr<Pool> pool, int64_t slot, uint32_t generation, int64_t start,
+          uint32_t start_generation)
+      : pool_(std::move(pool)), slot_(slot), generation_(generation), start_(start),
+        start_generation_(start_generation) {
     pool_->armed();
   }
 
@@ -94,7 +97,10 @@ struct EndHook : torch::autograd::FunctionPostHook {
                            const variable_list& /*grad_outputs*/) override {
     if (!fired_) {
       fired_ = true;
-      if (pool_->mark(slot_, generation_, true)) pool_->backward_ended();
+      const bool start_held = pool_->generation(start_) == start_generation_;
+      if (pool_->mark(slot_, generation_, true, false, start_held ? start_ : -1)) {
+        pool_->backward_ended();
+      }
       pool_->disarmed();
     }
     return grad_inputs;
@@ -103,6 +109,8 @@ struct EndHook : torch::autograd::FunctionPostHook {
   std::shared_ptr<Pool> pool_;
   int64_t slot_;
   uint32_t generation_;
+  int64_t start_;
+  uint32_t start_generation_;
   bool fired_ = false;
 };
 
@@ -118,8 +126,9 @@ class Marks {
   double elapsed(int64_t a, int64_t b) { return pool_->elapsed(a, b); }
   void release(int64_t slot) { pool_->release(slot); }
 
-  // A slot taken from the pool and marked now: one call per mark from Python.
-  int64_t take() { return pool_->take_marked(); }
+  // A slot taken from the pool and marked now: one call per mark from Python. A window's end
+  // mark names its start (`since`: Pool::mark).
+  int64_t take(std::optional<int64_t> since) { return pool_->take_marked(false, since.value_or(-1)); }
   void give_back(std::optional<int64_t> slot) {
     if (slot) pool_->give_back(*slot);
   }
@@ -189,21 +198,22 @@ class Marks {
       if (!end) return false;
     }
     node->add_pre_hook(std::make_unique<StartHook>(pool_, start_slot, pool_->generation(start_slot)));
-    end->add_post_hook(std::make_unique<EndHook>(pool_, end_slot, pool_->generation(end_slot)));
+    end->add_post_hook(std::make_unique<EndHook>(pool_, end_slot, pool_->generation(end_slot),
+                                                 start_slot, pool_->generation(start_slot)));
     return true;
   }
 
-  // The end of a measured forward in one call: the forward's end mark (taken first, so the
-  // window holds nothing of this), then the backward hooks on fresh slots. Returns
+  // The end of a measured forward in one call: the end mark of the window `start` opened (taken
+  // first, so the window holds nothing of this), then the backward hooks on fresh slots. Returns
   // (forward end, backward start, backward end); the last two are None if `out` cannot be hooked.
   std::tuple<int64_t, std::optional<int64_t>, std::optional<int64_t>> finish(
-      const at::Tensor& out, const std::vector<int64_t>& path) {
-    const int64_t fwd = take();
-    const int64_t start = pool_->take();
-    const int64_t end = pool_->take();
-    if (hook(out, start, end, path)) return {fwd, start, end};
-    pool_->give_back(start);
-    pool_->give_back(end);
+      const at::Tensor& out, const std::vector<int64_t>& path, int64_t start) {
+    const int64_t fwd = take(start);
+    const int64_t bwd0 = pool_->take();
+    const int64_t bwd1 = pool_->take();
+    if (hook(out, bwd0, bwd1, path)) return {fwd, bwd0, bwd1};
+    pool_->give_back(bwd0);
+    pool_->give_back(bwd1);
     return {fwd, std::nullopt, std::nullopt};
   }
 
@@ -483,7 +493,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("done", &Marks::done)
       .def("elapsed", &Marks::elapsed)
       .def("release", &Marks::release)
-      .def("take", &Marks::take)
+      .def("take", &Marks::take, pybind11::arg("since") = pybind11::none())
       .def("give_back", &Marks::give_back)
       .def("give_back_all", &Marks::give_back_all)
       .def("seconds", &Marks::seconds, pybind11::call_guard<pybind11::gil_scoped_release>())

@@ -40,7 +40,7 @@ struct Slot {
   std::atomic<uint32_t> generation{0};
   std::atomic<bool> recorded{false};
   int64_t host_ns = 0;  // when the mark was taken (on CPU: the mark itself)
-  bool idle = false;    // the device had nothing left to run when the mark was taken (see mark)
+  bool idle = false;    // an end mark: the device had passed the window's start (see mark)
 #ifdef FADIAG_CUDA
   cudaEvent_t event = nullptr;
   int device = -1;
@@ -82,15 +82,18 @@ class Pool {
   }
 
   // Take a mark now. Never throws (hooks call it): failures go to the error counter.
-  // On CUDA the stream is queried first. Nothing left to run at a window's start mark: the
-  // device passes it at once and then waits inside the window for whatever the host queues
-  // next; nothing left at its end mark: the device finished the op's kernels and waited for the
-  // mark. Either way the window may hold host time (held_host_ns).
+  // A window's end mark names its start (`since`, -1 for a start mark) and, on CUDA, first asks
+  // whether the device has passed that start. If it has, the device reached the window while
+  // the host was still queueing the op's work, so it may have run dry inside the window and
+  // waited for the host's launches — whether it was idle at the start mark, ran out of work
+  // between the marks, or finished the op before the end mark (held_host_ns). If it has not,
+  // every kernel of the window was queued before the device got there: device time only (but
+  // for the ~1 µs between this query and the end event's record).
   // On a stream that a CUDA graph is capturing no mark is taken (false; counted in captured()):
-  // a timing event or a stream query there would invalidate the user's capture. The tap, which
-  // checks before it times an op, passes `capture_checked`.
+  // a timing event or a query there would invalidate the user's capture. The tap, which checks
+  // before it times an op, passes `capture_checked`.
   bool mark(int64_t slot, uint32_t generation, bool check_generation,
-            bool capture_checked = false) noexcept {
+            bool capture_checked = false, int64_t since = -1) noexcept {
     Slot* s = at(slot);
     if (s == nullptr) {
       errors_.fetch_add(1);
@@ -119,8 +122,7 @@ class Pool {
         errors_.fetch_add(1);
         return false;
       }
-      s->idle = cudaStreamQuery(stream) == cudaSuccess;
-      if (!s->idle) cudaGetLastError();
+      s->idle = passed(since);
       if (cudaEventRecord(s->event, stream) != cudaSuccess) {
         cudaGetLastError();
         errors_.fetch_add(1);
@@ -163,10 +165,10 @@ class Pool {
     return next_++;
   }
 
-  // A free slot, marked now (`capture_checked`: see mark).
-  int64_t take_marked(bool capture_checked = false) {
+  // A free slot, marked now (`capture_checked`, `since`: see mark).
+  int64_t take_marked(bool capture_checked = false, int64_t since = -1) {
     const int64_t s = take();
-    mark(s, 0, false, capture_checked);
+    mark(s, 0, false, capture_checked, since);
     return s;
   }
 
@@ -227,11 +229,12 @@ class Pool {
   }
 
   // The host ns the window between two recorded marks may hold: the host's time between them
-  // when the device had nothing left to run at either mark (see mark), else 0 (at least 1).
+  // when the device had passed the start before the end mark was taken (see mark), else 0
+  // (at least 1 when it had).
   int64_t held_host_ns(int64_t a, int64_t b) const {
     const Slot* sa = at(a);
     const Slot* sb = at(b);
-    if (sa == nullptr || sb == nullptr || !(sa->idle || sb->idle)) return 0;
+    if (sa == nullptr || sb == nullptr || !sb->idle) return 0;
     return std::max<int64_t>(sb->host_ns - sa->host_ns, 1);
   }
 
@@ -324,6 +327,18 @@ class Pool {
       return false;
     }
     return status != cudaStreamCaptureStatusNone;
+  }
+
+  // Whether the device has passed the recorded mark `since` (an event query: no synchronisation);
+  // false for -1 or a mark not recorded.
+  bool passed(int64_t since) const noexcept {
+    const Slot* a = at(since);
+    if (a == nullptr || a->event == nullptr || !a->recorded.load(std::memory_order_acquire)) {
+      return false;
+    }
+    if (cudaEventQuery(a->event) == cudaSuccess) return true;
+    cudaGetLastError();
+    return false;
   }
 
   bool ensure_event(Slot* s, int device) {

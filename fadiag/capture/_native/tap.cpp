@@ -243,7 +243,7 @@ class TapState {
       pool->give_back(start);
       throw;
     }
-    return {start, pool->take_marked(/*capture_checked=*/true)};
+    return {start, pool->take_marked(/*capture_checked=*/true, /*since=*/start)};
   }
 
   // Shape, dtype and flags from the arguments; false when they cannot be read.
