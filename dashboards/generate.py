@@ -514,9 +514,10 @@ def overview() -> dict:
         ),
         timeseries(
             "Host-bound attention calls per second by implementation",
-            "Measured calls whose device window may hold host time: the device had nothing left "
-            "to run when the window opened or before it closed (a starved device: a small batch, "
-            "or checkpointing's recomputation queued by Python) and waited inside the window for "
+            "Measured calls whose device window may hold host time: the device reached the "
+            "window before the host had queued all of the op's work — idle when it opened, dry "
+            "inside it, or done before it closed (a starved device: a small batch, or "
+            "checkpointing's recomputation queued by Python) — and may have waited inside it for "
             "the host. Their seconds are an upper bound, and ratios and the ratio rule leave "
             "them out. 0 when the device runs ahead of the host, as in GPU-bound training; a "
             "share of the calls panel's rate here means the ratios rest on the other calls.",

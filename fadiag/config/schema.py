@@ -91,7 +91,6 @@ class RatioRuleConfig:
         "min_forward_seconds": _number(lo=0),
         "warmup_steps": _integer(0),
         "host_window_steps": _integer(1),
-        "starved_window_steps": _integer(1),
         "max_cpu_wait": _number(lo=0, hi=1),
     }
 
@@ -113,12 +112,6 @@ class RatioRuleConfig:
     (in scheduler slices of milliseconds, so one step can read 30x, and beside a busy process
     most backward calls are stretched), and a preemption only ever adds time; a really slow
     backward is slow in every step."""
-    starved_window_steps: int = 3
-    """Device timings (CUDA, NPU) while the device is starved of work — a step with a call whose
-    window may hold host time, in the last this-many steps — are judged the same way over this
-    many steps: a window counted as device work can still hold a gap where the stream ran dry
-    between its marks, and a gap only ever adds time. Steps whose windows are all device work
-    are judged each on its own."""
     max_cpu_wait: float = 0.5
     """Host-clock (CPU) steps in which the process's threads spent more than this share of their
     runnable time waiting for a CPU (Linux's schedstat) are not judged: past half, a two-thread

@@ -194,8 +194,9 @@ class Metrics(Sink):
         yield c
         c = CounterMetricFamily("fadiag_attention_host_bound_calls",
                                 "Measured attention calls whose device window may hold host time "
-                                "(the device had nothing left to run when the window opened or "
-                                "before it closed, and waited for the host inside it): their "
+                                "(the device had passed the window's start before its end mark was "
+                                "taken, so it may have waited inside it for the host: idle when "
+                                "it opened, dry inside it, or done before it closed): their "
                                 "seconds are an upper bound, and the ratio rule does not judge "
                                 "them.", labels=["rank", "impl"])
         for impl in sorted(calls.keys() | host_bound.keys()):  # 0: measured, none host-bound

@@ -63,8 +63,7 @@ class Rules:
         self.regression_ratio: float | None = None
         """The last step's attention seconds over that baseline; None for a step without one."""
         self._evaluated = 0
-        self._windows: dict[object, deque[tuple[float, float]]] = {}  # per site key (_judged_ratio)
-        self._starved_at: int | None = None  # the last evaluation that left host-bound calls out
+        self._host: dict[object, deque[float]] = {}  # host-clock ratios, per site key
         self._warm: dict[object, list[tuple[float, dict[str, str]]]] = {}
         self._frozen: dict[object, tuple[float, float, dict[str, str]]] = {}
         self._over: deque[bool] = deque(maxlen=max(1, cfg.regression.consecutive))
@@ -96,7 +95,6 @@ class Rules:
             judged = ratio_calls(calls)
             if len(judged) < len(calls):
                 self._host_bound(len(calls) - len(judged), len(calls), report.step)
-                self._starved_at = self._evaluated
                 conditions.update(self._ratio(report, summarize(judged)))
             else:
                 conditions.update(self._ratio(report, steady))
@@ -111,32 +109,26 @@ class Rules:
         report.flags = [f for f in out if not f.cleared]
         return out
 
-    def _judged_ratio(self, key: object, forward: float, backward: float, host: bool,
-                      starved: bool) -> float | None:
-        """The ratio the rule judges: the step's own, or — on host-clock timings, and on device
-        timings while the device is starved — the fastest backward over the fastest forward of
-        the key's last `host_window_steps` (`starved_window_steps`) steps, None until it has
-        that many.
+    def _judged_ratio(self, key: object, forward: float, backward: float,
+                      host: bool) -> float | None:
+        """The ratio the rule judges: the step's own, or on host-clock timings the fastest
+        backward over the fastest forward of the key's last `host_window_steps` steps (None until
+        it has that many).
 
         A preemption only ever adds time, in scheduler slices of milliseconds: beside a busy
         process most of a two-thread kernel's backward calls wait at a barrier for a preempted
         thread (the median of 9 steps read 2.6-4x for a healthy 2x kernel), while some run
         undisturbed. The fastest call is the closest to what the kernel costs (timeit's rule);
-        a backward that really is slow is slow in every step. A starved device is the same on a
-        smaller scale: a window the stream ran dry in holds the wait, never less than the
-        kernel."""
+        a backward that really is slow is slow in every step."""
         value = ratio(backward, forward)
-        if value is None:
-            return None
-        recent = self._windows.get(key)
-        if recent is None:
-            cfg = self.cfg.backward_forward_ratio
-            n = cfg.host_window_steps if host else cfg.starved_window_steps
-            recent = self._windows[key] = deque(maxlen=n)
-        recent.append((forward, backward))  # kept on device-bound steps too: ready when needed
-        if not (host or starved):
+        if value is None or not host:
             return value
-        if len(recent) < (recent.maxlen or 1):
+        n = self.cfg.backward_forward_ratio.host_window_steps
+        recent = self._host.get(key)
+        if recent is None:
+            recent = self._host[key] = deque(maxlen=n)
+        recent.append((forward, backward))
+        if len(recent) < n:
             return None
         return fastest_ratio(recent)
 
@@ -149,21 +141,18 @@ class Rules:
         if (wait is not None and wait > cfg.max_cpu_wait
                 and any(s.device == "cpu" for s in sites)):
             return self._contended("backward_forward_ratio", report.step, wait, cfg.max_cpu_wait)
-        starved = (self._starved_at is not None
-                   and self._evaluated - self._starved_at < cfg.starved_window_steps)
         judged: list[tuple[SiteSummary, float, float]] = []  # (site, judged ratio, threshold)
         for s in sites:
             if s.forward_seconds < cfg.min_forward_seconds:
                 continue
             r = self._judged_ratio((s.site, s.impl, s.shape), s.ratio_forward_seconds,
-                                   s.backward_seconds, s.device == "cpu", starved)
+                                   s.backward_seconds, s.device == "cpu")
             if r is not None:
                 judged.append((s, r, cfg.threshold_for(s.impl)))
         over = [(s, r, t) for s, r, t in judged if r > t]
         fwd = sum(s.ratio_forward_seconds for s in sites)
         host = any(s.device == "cpu" for s in sites)
-        total = self._judged_ratio((TOTAL, host), fwd, sum(s.backward_seconds for s in sites),
-                                   host, starved)
+        total = self._judged_ratio(TOTAL, fwd, sum(s.backward_seconds for s in sites), host)
         # The step as a whole is judged against the most lenient threshold of its impls: a step
         # over it has at least one site over its own.
         line = max((t for _, _, t in judged), default=cfg.threshold)
@@ -173,9 +162,6 @@ class Rules:
             busy = (f"; the process waited for a CPU {wait:.0%} of the time" if wait is not None
                     and wait > self.cfg.regression.max_cpu_wait else "")
             median = f" (fastest of the last {cfg.host_window_steps} steps{busy})"
-        elif starved:
-            median = (f" (fastest of the last {cfg.starved_window_steps} steps: the device ran out "
-                      "of work in some windows)")
         if total is not None and total > line and fwd >= cfg.min_forward_seconds and over:
             s, r, _ = max(over, key=lambda x: x[1])
             bands = [band_for(x, self.device) for x, y, _ in over]

@@ -74,11 +74,12 @@ class CallRecord(Figures):
     """flex_attention: score_mod / block_mask present, enable_gqa, kernel_options."""
     forward_host_seconds: float = 0.0
     backward_host_seconds: float = 0.0
-    """The host time the forward / backward window may hold: the device's stream had nothing left
-    to run when the window opened (the device passed its start at once and waited inside it for
-    the op's launches) or before it closed (the device finished the op and waited for the end
-    mark), so up to this long (the host's time between the marks). 0: the device had work
-    queued at both marks, and the window is device work (CUDA and NPU; 0 on CPU)."""
+    """The host time the forward / backward window may hold: the device had passed the window's
+    start mark when its end mark was taken — it was idle when the window opened, ran dry inside it
+    while the host was still queueing the op, or finished the op before the end mark — so up to
+    this long (the host's time between the marks). 0: the device had not reached the start when
+    the end mark was taken, so every kernel of the window was queued before it got there, and the
+    window is device work (CUDA and NPU; 0 on CPU)."""
 
     @property
     def host_bound(self) -> bool:
