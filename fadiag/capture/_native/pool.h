@@ -26,7 +26,7 @@
 
 namespace fadiag {
 
-// The host's steady clock in ns: the CPU marks, and the tap's host times (record age, idle).
+// The host's steady clock in ns: the CPU marks, and the host times of marks (record age, held).
 inline int64_t steady_ns() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
              std::chrono::steady_clock::now().time_since_epoch())
@@ -40,7 +40,7 @@ struct Slot {
   std::atomic<uint32_t> generation{0};
   std::atomic<bool> recorded{false};
   int64_t host_ns = 0;  // when the mark was taken (on CPU: the mark itself)
-  bool idle = false;    // an end mark: the device had passed the window's start (see mark)
+  bool start_passed = false;  // an end mark: the device had passed the window's start (mark)
 #ifdef FADIAG_CUDA
   cudaEvent_t event = nullptr;
   int device = -1;
@@ -102,7 +102,7 @@ class Pool {
     if (check_generation && s->generation.load(std::memory_order_acquire) != generation) {
       return false;  // the slot was released and reused: this hook's call is long gone
     }
-    s->idle = false;
+    s->start_passed = false;
     if (cuda_) {
 #ifdef FADIAG_CUDA
       int device = 0;
@@ -122,7 +122,7 @@ class Pool {
         errors_.fetch_add(1);
         return false;
       }
-      s->idle = passed(since);
+      s->start_passed = passed(since);
       if (cudaEventRecord(s->event, stream) != cudaSuccess) {
         cudaGetLastError();
         errors_.fetch_add(1);
@@ -234,7 +234,7 @@ class Pool {
   int64_t held_host_ns(int64_t a, int64_t b) const {
     const Slot* sa = at(a);
     const Slot* sb = at(b);
-    if (sa == nullptr || sb == nullptr || !sb->idle) return 0;
+    if (sa == nullptr || sb == nullptr || !sb->start_passed) return 0;
     return std::max<int64_t>(sb->host_ns - sa->host_ns, 1);
   }
 
