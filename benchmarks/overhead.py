@@ -286,63 +286,6 @@ def median_ci95(values: list[float]) -> tuple[float, float]:
     return xs[k], xs[n - 1 - k]
 
 
-def host_cost_per_call(n: int = 2000) -> dict:
-    """Microbenchmark of the Python-side cost of one measured SDPA call (fwd + bwd) on tiny inputs."""
-    q = torch.randn(1, 1, 16, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    res = {}
-    for label in ("plain", "fadiag", "fadiag_python"):
-        ctx = contextlib.nullcontext() if label == "plain" else variant(label, None)  # type: ignore[arg-type]
-        with ctx:
-            for _ in range(50):
-                F.scaled_dot_product_attention(q, q, q).sum().backward()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for i in range(n):
-                F.scaled_dot_product_attention(q, q, q).sum().backward()
-                if i % 8 == 7:
-                    fadiag.step()
-            torch.cuda.synchronize()
-            res[label] = (time.perf_counter() - t0) / n * 1e6
-    res["fadiag_minus_plain_us"] = res["fadiag"] - res["plain"]
-    res["fadiag_python_minus_plain_us"] = res["fadiag_python"] - res["plain"]
-    print(f"host cost per measured call (fwd+bwd): native marks "
-          f"{res['fadiag_minus_plain_us']:.1f} us, Python marks "
-          f"{res['fadiag_python_minus_plain_us']:.1f} us", flush=True)
-    return res
-
-
-def tap_host_cost(n: int = 2000) -> dict:
-    """Host cost of one tapped call (fwd + bwd) in compiled code, tiny inputs: what the dispatcher
-    tap adds per call, beside what the Python path adds to the same call in eager code."""
-    q = torch.randn(1, 1, 16, 16, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    fn = torch.compile(lambda x: F.scaled_dot_product_attention(x, x, x))
-    res = {}
-    for label, run in (("compiled_plain", fn), ("compiled_fadiag", fn),
-                       ("eager_plain", F.scaled_dot_product_attention),
-                       ("eager_fadiag", F.scaled_dot_product_attention)):
-        ctx = fadiag.attach(port=0, tap="on") if label.endswith("fadiag") else None
-        try:
-            call = (lambda: run(q)) if label.startswith("compiled") else (lambda: run(q, q, q))
-            for _ in range(50):
-                call().sum().backward()
-            torch.cuda.synchronize()
-            t0 = time.perf_counter()
-            for i in range(n):
-                call().sum().backward()
-                if i % 8 == 7:
-                    fadiag.step()
-            torch.cuda.synchronize()
-            res[label] = (time.perf_counter() - t0) / n * 1e6
-        finally:
-            if ctx is not None:
-                fadiag.detach()
-    res["tap_us"] = res["compiled_fadiag"] - res["compiled_plain"]
-    res["python_path_us"] = res["eager_fadiag"] - res["eager_plain"]
-    print(f"host cost per call (fwd+bwd): tap {res['tap_us']:.1f} us (compiled), Python path "
-          f"{res['python_path_us']:.1f} us (eager)", flush=True)
-    return res
-
-
 def memory_over_steps(steps: int) -> dict:
     """fadiag's host (RSS) and device memory over `steps` launch-bound steps, every call timed."""
     import psutil
@@ -390,9 +333,7 @@ def main() -> None:
     marks_first(file=sys.stdout)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
-    result["host_cost"] = host_cost_per_call()
-    if "compiled_gpu_bound" in args.models.split(","):
-        result["tap_host_cost"] = tap_host_cost()
+    # Per-call host costs, interleaved and repeated, are tap_cost.py's and hot_path.py's.
     for m in filter(None, args.models.split(",")):  # --models "" measures memory only
         gpu_bound = m.endswith("gpu_bound")
         steps = args.gpu_steps if gpu_bound else args.launch_steps
