@@ -66,7 +66,7 @@ def _fault(monkeypatch, case, tmp_path):
         monkeypatch.setattr(fadiag.capture.device.CpuTimer, "elapsed", staticmethod(lambda a, b: value))
         return {"tap": "off"}  # the wrapper's own marks (the tap's are C++, timed as tap.cpp does)
     elif case == "missing_timing":
-        monkeypatch.setattr(fadiag.capture.device.CpuTimer, "mark", lambda self: None)
+        monkeypatch.setattr(fadiag.capture.device.CpuTimer, "mark", lambda self, since=None: None)
         monkeypatch.setattr(fadiag.capture.device.CpuTimer, "elapsed", staticmethod(lambda a, b: a - b))
         return {"tap": "off"}
     return {}
@@ -279,7 +279,7 @@ def test_a_mark_that_fails_inside_backward_never_reaches_backward(monkeypatch):
     out = F.scaled_dot_product_attention(q, q, q)
     timer = s.devices.timer("cpu")
 
-    def broken() -> None:
+    def broken(since: object = None) -> None:
         raise RuntimeError("Event device 1 does not match recording stream's device 0")
 
     monkeypatch.setattr(timer, "mark", broken)
@@ -300,10 +300,10 @@ def test_a_failed_start_mark_drops_that_call_not_the_step(monkeypatch):
     real = timer.mark
     fail = [True]
 
-    def once() -> object:
+    def once(since: object = None) -> object:
         if fail.pop() if fail else False:
             raise RuntimeError("mark failed")
-        return real()
+        return real(since)
 
     monkeypatch.setattr(timer, "mark", once)
     a = F.scaled_dot_product_attention(q, q, q)  # its start mark fails: not measured

@@ -491,7 +491,7 @@ def test_calls_on_a_device_that_is_not_current_are_counted_not_mistimed():
         def current_device(self) -> int:
             return 1
 
-        def mark(self) -> None:
+        def mark(self, since: object = None) -> None:
             raise AssertionError("a mark was taken")
 
     rec, call, errors = _begin_on_cuda0(Timer())
