@@ -44,11 +44,17 @@ def _run(model: torch.nn.Module, steps: int, attached: bool) -> Run:
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     session = fadiag.attach(port=0, tap="on") if attached else None
+    was_deterministic = torch.are_deterministic_algorithms_enabled()
     try:
         # Inductor's deterministic mode: no choice made by benchmarking on the machine, so two
         # compilations of one model make the same code whatever the machine's load. The compile
         # caches are off so that both runs compile the same way (one cold, one served from
-        # the other's cache would not be compared like with like).
+        # the other's cache would not be compared like with like). Torch's deterministic
+        # algorithms too: without them inductor lowers the embedding's backward (an index_put
+        # that accumulates) to atomic adds, whose order on two threads follows the scheduler, so
+        # a plain run alone is not bit-reproducible on a busy machine (a last-bit difference at
+        # step 4 in one .ci/run of ~20).
+        torch.use_deterministic_algorithms(True)
         with torch._inductor.config.patch(deterministic=True, fx_graph_cache=False), \
                 torch._functorch.config.patch(enable_autograd_cache=False):
             losses = train(torch.compile(model), steps, seq=SEQ, batch=BATCH)
@@ -61,6 +67,7 @@ def _run(model: torch.nn.Module, steps: int, attached: bool) -> Run:
         assert session.flush(10)
         return Run(losses, counters, session.history(), _steps_total(session))
     finally:
+        torch.use_deterministic_algorithms(was_deterministic)
         fadiag.detach()
 
 
