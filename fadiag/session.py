@@ -109,7 +109,8 @@ class Session:
         self.resolver = Resolver(
             rank=self.rank, history=steps.history, open_calls=self.recorder.open_calls,
             on_report=self._on_report, on_tick=self._on_tick, on_error=self._error,
-            native_timers=lambda: self.devices.native_timers, tap=lambda: self.recorder.tap)
+            native_timers=lambda: self.devices.native_timers, tap=lambda: self.recorder.tap,
+            unmeasured=self.recorder.resolved_unmeasured)
         self.capture = Interceptors(config, self.recorder, self._error)
 
     # ---- lifecycle -------------------------------------------------------------------------

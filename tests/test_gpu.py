@@ -544,6 +544,46 @@ def test_an_eager_cuda_graph_capture_succeeds_and_its_calls_are_counted(marks):
     assert 4 in [r.step for r in session.history()]  # resolved while the capture ran
 
 
+@pytest.mark.parametrize("marks", ["tap", "native", "python"])
+def test_a_measured_forward_whose_backward_is_captured_into_a_graph_is_counted_unmeasured(marks):
+    """The forward runs eagerly on a side stream (measured), its backward is captured into a CUDA
+    graph on that stream (autograd runs a backward on its forward's stream): no mark can be
+    taken in the capture, so the call is reported unmeasured (graph_capture_backward), not with
+    a backward of 0, and the step's ratio is not lowered by it. The capture and its replay
+    work."""
+    session = attach(marks)
+    q = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    for _ in range(3):  # the signature learned, measured whole
+        F.scaled_dot_product_attention(q, q, q).sum().backward()
+        fadiag.step()
+    assert session.flush(30)
+    assert session.last_step().calls[0].backward_seconds > 0
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out = F.scaled_dot_product_attention(q, q, q)
+    grad = torch.ones_like(out)
+    q.grad = None
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        out.backward(grad, retain_graph=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    fadiag.step()
+    assert session.flush(30)
+    assert session.errors == 0
+    expected = q.detach().clone().requires_grad_()
+    F.scaled_dot_product_attention(expected, expected, expected).backward(grad)
+    torch.testing.assert_close(q.grad, expected.grad)  # the replay computed the gradient
+    last = session.last_step()
+    assert last.calls == [] and last.unmeasured.get("graph_capture_backward") == 1, last
+    assert session.recorder.unmeasured_totals()["graph_capture_backward"] == 1
+    F.scaled_dot_product_attention(q, q, q).sum().backward()
+    fadiag.step()
+    assert session.flush(30)
+    assert [c.backward_seconds > 0 for c in session.last_step().calls] == [True]
+
+
 # ---- flex_attention inside a compiled model -----------------------------------------------------
 
 

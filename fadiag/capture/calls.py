@@ -52,7 +52,7 @@ class Call:
 
     __slots__ = ("sig", "site", "timer", "fwd0", "fwd1", "bwd0", "bwd1", "remaining", "host_ns",
                  "recompute", "aborted", "mem0", "probe", "saved", "key", "info", "qkv", "extra",
-                 "link")
+                 "link", "graph_backward")
 
     def __init__(self, site: str, timer: Any, recompute: bool, key: Any, info: CallInfo | None,
                  qkv: tuple[Any, Any, Any]):
@@ -76,6 +76,9 @@ class Call:
         self.extra: Any = None  # AttentionOp.per_call's figures
         self.link = 0
         """Non-zero: the dispatcher tap times this call; its record carries this number."""
+        self.graph_backward = False
+        """Its backward ran while a CUDA (NPU) graph captured the stream: no mark could be taken
+        (the graph's replays run it unseen), so the call is reported unmeasured."""
 
 
 def learn(call: Call, op: AttentionOp, info: CallInfo, node: Any) -> Signature:

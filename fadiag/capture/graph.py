@@ -105,6 +105,8 @@ def hook_backward(call: Call, sig: Signature, node: Any, qkv: tuple[Any, Any, An
                 if probe:
                     call.mem0 = timer.memory_stats()
                 call.bwd0 = timer.mark()
+                if call.bwd0 is None and timer.capturing():  # a graph captures the backward
+                    call.graph_backward = True
                 if call.remaining > 1:
                     _queue_callback(close_pass)
         except Exception as e:

@@ -264,6 +264,7 @@ class Tap:
                 continue
             call.timer = self.timers["cuda" if r[17] else "cpu"]
             call.fwd0, call.fwd1, call.bwd0, call.bwd1 = r[1], r[2], r[3], r[4]
+            call.graph_backward = r[19]
         self.unrecorded += missing
         self._forget_later()
         before = self.no_grad
@@ -318,11 +319,11 @@ class Tap:
             named.append((phase, n, r))
         # What a recomputation's backward received is what the op keeps for its backward.
         kept_by_site = {(p, n): r[16] for p, n, r in named if r[14] and r[16] is not None}
-        backward_by_site = {(p, n) for p, n, r in named if r[3] is not None}
+        backward_by_site = {(p, n) for p, n, r in named if r[3] is not None or r[19]}
         calls = []
         for phase, n, r in named:
             (op_i, f0, f1, b0, b1, shape, dv, kvh, dtype, device, _index, causal, dropout,
-             _scale, recompute, _, kept, cuda, _link) = r
+             _scale, recompute, _, kept, cuda, _link, graph_backward) = r
             timer = self.timers["cuda" if cuda else "cpu"]
             if not recompute and (phase, n) not in backward_by_site and not record_no_grad:
                 self.no_grad += 1
@@ -341,6 +342,7 @@ class Tap:
             call = call_class(f"{SITE}#{n}", timer, recompute, None, None, None)
             call.sig = sig
             call.fwd0, call.fwd1, call.bwd0, call.bwd1 = f0, f1, b0, b1
+            call.graph_backward = graph_backward
             calls.append(call)
         return calls
 

@@ -19,7 +19,7 @@ from ..capture.device import Devices
 from ..capture.sites import Sites
 
 _UNREAD = object()
-_RESOLVER_COUNTS = ("no_grad", "unrecorded")
+_RESOLVER_COUNTS = ("no_grad", "unrecorded", "graph_capture_backward")
 _UNSEEN_STEPS = 3  # optimizer steps without a C++ backward hook firing before Python's take over
 log = logging.getLogger("fadiag")
 
@@ -72,8 +72,8 @@ class ClosedStep:
             return
         compiled, no_grad, unrecorded = tap.calls(batch, Call, linked)
         self.calls.extend(compiled)
-        self._count("no_grad", no_grad)
-        self._count("unrecorded", unrecorded)
+        self.count("no_grad", no_grad)
+        self.count("unrecorded", unrecorded)
 
     def lose_linked(self, tap: Any) -> None:
         """`take_tap` failed: the linked calls it did not mark are not timed, and counted as
@@ -81,10 +81,11 @@ class ClosedStep:
         lost = [c for c in self.calls if c.link and c.fwd0 is None]
         for c in lost:
             c.aborted = True
-        self._count("unrecorded", len(lost))
+        self.count("unrecorded", len(lost))
         tap.unrecorded += len(lost)
 
-    def _count(self, reason: str, n: int) -> None:
+    def count(self, reason: str, n: int) -> None:
+        """`n` of the step's calls not measured, for `reason` (the resolver's finds)."""
         if n:
             self.unmeasured[reason] = self.unmeasured.get(reason, 0) + n
 
@@ -116,6 +117,9 @@ class StepBoundaries:
         one process): marks go on the current device's stream, so these are not measured."""
         self.unmeasured: dict[str, int] = {}
         """Calls not measured, by reason, counted by an op's own code (flex: ``compiling``)."""
+        self.resolved_unmeasured: dict[str, int] = {}
+        """Calls the resolver thread found unmeasured (``graph_capture_backward``), cumulative;
+        it counts them in their step's report itself."""
         self._current_devices: dict[str, Any] = {}  # device kind -> current index, this step
         self.sites = Sites()
         self.backward_seen = False
@@ -220,6 +224,8 @@ class StepBoundaries:
         """Attention calls seen and not measured since start, by reason (cumulative)."""
         totals = {"sampling": self.sampled_out, "per_step_cap": self.over_cap,
                   "other_device": self.other_device, **self.unmeasured}
+        for reason, n in self.resolved_unmeasured.items():
+            totals[reason] = totals.get(reason, 0) + n
         if self.tap is not None:
             for reason, n in self.tap.counts().items():
                 if reason != "errors":

@@ -20,6 +20,10 @@ from ..capture.timers import relax_capture_mode
 from .boundary import ClosedStep
 from .records import CallRecord, StepReport
 
+GRAPH_BACKWARD = "graph_capture_backward"
+"""The reason for a call whose forward was measured and whose backward ran while a CUDA (NPU)
+graph captured the stream: no mark can be taken there, and the work runs at each replay."""
+
 _POLL_S = 0.02
 """How often the thread looks again while flush() waits for marks the device has not passed."""
 _BATCH_S = 0.1
@@ -42,7 +46,8 @@ class Resolver:
                  on_tick: Callable[[float], None],
                  on_error: Callable[[str, BaseException], None],
                  native_timers: Callable[[], list[Any]] = list,
-                 tap: Callable[[], Any] = lambda: None):
+                 tap: Callable[[], Any] = lambda: None,
+                 unmeasured: dict[str, int] | None = None):
         self.rank = rank
         self.history: collections.deque[StepReport] = collections.deque(maxlen=history)
         self.oldest_inflight_seconds = 0.0
@@ -54,6 +59,9 @@ class Resolver:
         self._native_timers = native_timers
         self._tap = tap
         """The dispatcher tap now installed, or None (its uncut records, for the hang check)."""
+        self.unmeasured = {} if unmeasured is None else unmeasured
+        """Calls found unmeasured here, by reason, cumulative (the recorder's
+        `resolved_unmeasured`, which its totals read)."""
         self._queue: queue.SimpleQueue[ClosedStep | threading.Event] = queue.SimpleQueue()
         """Closed steps in order, and flush()'s markers among them: a marker is set once every
         step submitted before it is resolved or dropped (so submit() takes no lock)."""
@@ -184,8 +192,13 @@ class Resolver:
                 step.lose_linked(tap)
         calls: list[Call] = []
         untimed: list[Call] = []  # calls that raised or were never learned
+        in_graph = 0  # a backward captured into a CUDA graph: not measured (graph_backward)
         for c in step.calls:
-            (untimed if c.aborted or c.sig is None else calls).append(c)
+            if c.graph_backward and not c.aborted:
+                in_graph += 1
+                untimed.append(c)
+            else:
+                (untimed if c.aborted or c.sig is None else calls).append(c)
         if untimed:
             self._release(untimed)
         by_timer: dict[Any, list[Call]] = {}
@@ -202,7 +215,13 @@ class Resolver:
             t.release(*(m for c in group for m in (c.fwd0, c.fwd1, c.bwd0, c.bwd1)))
             for c in group:
                 c.fwd0 = c.fwd1 = c.bwd0 = c.bwd1 = None
-        self._report(step, [(c, *seconds[c]) for c in calls])
+        timed = [(c, *seconds[c]) for c in calls]
+        kept = [t for t in timed if not t[2] < 0]  # backward -1: native marks refused in a capture
+        in_graph += len(timed) - len(kept)
+        if in_graph:
+            step.count(GRAPH_BACKWARD, in_graph)
+            self.unmeasured[GRAPH_BACKWARD] = self.unmeasured.get(GRAPH_BACKWARD, 0) + in_graph
+        self._report(step, kept)
         return True
 
     def _release(self, calls: list[Call]) -> None:

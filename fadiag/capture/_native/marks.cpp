@@ -140,15 +140,18 @@ class Marks {
   // start, forward end, backward start, backward end (-1: none). None while a mark the device
   // has not passed is needed; a backward that started and has not ended is waited for unless
   // `give_up_open_backward`. Otherwise four per call: forward and backward seconds, the backward
-  // 0 when it was not measured, both NaN for a call whose forward marks failed (counted as
-  // errors when they did); then the host ns each window may hold (Pool::held_host_ns). Both
-  // ends of a pair are queried before its elapsed time is read.
+  // 0 when it did not run (or was not hooked), -1 when it ran while a CUDA graph captured the
+  // stream (its marks refused: the kernels run at the graph's replays, unseen), both NaN for a
+  // call whose forward marks failed (counted as errors when they did); then the host ns each
+  // window may hold (Pool::held_host_ns). Both ends of a pair are queried before its elapsed
+  // time is read.
   std::optional<std::vector<double>> seconds(const std::vector<int64_t>& slots,
                                              bool give_up_open_backward) {
     TORCH_CHECK(slots.size() % 4 == 0, "fadiag marks: four slots per call");
     const size_t calls = slots.size() / 4;
     std::vector<bool> backward(calls, false);
     std::vector<bool> failed(calls, false);
+    std::vector<bool> captured(calls, false);
     for (size_t i = 0; i < calls; ++i) {
       const int64_t f0 = slots[4 * i], f1 = slots[4 * i + 1];
       const int64_t b0 = slots[4 * i + 2], b1 = slots[4 * i + 3];
@@ -157,6 +160,10 @@ class Marks {
         continue;
       }
       if (!pool_->done(f0) || !pool_->done(f1)) return std::nullopt;
+      if (pool_->in_capture(b0) || pool_->in_capture(b1)) {
+        captured[i] = true;
+        continue;
+      }
       if (b0 < 0 || !pool_->recorded(b0)) continue;
       if (b1 < 0 || !pool_->recorded(b1)) {
         if (!give_up_open_backward) return std::nullopt;
@@ -175,7 +182,9 @@ class Marks {
       }
       o[0] = pool_->elapsed(m[0], m[1]);
       o[2] = static_cast<double>(pool_->held_host_ns(m[0], m[1]));
-      if (backward[i]) {
+      if (captured[i]) {
+        o[1] = -1.0;
+      } else if (backward[i]) {
         o[1] = pool_->elapsed(m[2], m[3]);
         o[3] = static_cast<double>(pool_->held_host_ns(m[2], m[3]));
       }

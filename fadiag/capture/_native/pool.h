@@ -41,6 +41,7 @@ struct Slot {
   std::atomic<bool> recorded{false};
   int64_t host_ns = 0;  // when the mark was taken (on CPU: the mark itself)
   bool start_passed = false;  // an end mark: the device had passed the window's start (mark)
+  std::atomic<bool> in_capture{false};  // its last mark was refused: a CUDA graph captured the stream
 #ifdef FADIAG_CUDA
   cudaEvent_t event = nullptr;
   int device = -1;
@@ -103,6 +104,7 @@ class Pool {
       return false;  // the slot was released and reused: this hook's call is long gone
     }
     s->start_passed = false;
+    s->in_capture.store(false, std::memory_order_relaxed);
     if (cuda_) {
 #ifdef FADIAG_CUDA
       int device = 0;
@@ -115,6 +117,7 @@ class Pool {
           c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream();
       if (!capture_checked && stream_capturing(stream)) {
         captured_.fetch_add(1);
+        s->in_capture.store(true, std::memory_order_release);
         return false;
       }
       if (!ensure_event(s, device)) {
@@ -195,6 +198,13 @@ class Pool {
     return s != nullptr && s->recorded.load(std::memory_order_acquire);
   }
 
+  // Whether the slot's last mark was refused because a CUDA graph was capturing the stream (a
+  // backward hook that fired during a capture: the work it would time runs at each replay).
+  bool in_capture(int64_t slot) const {
+    const Slot* s = at(slot);
+    return s != nullptr && s->in_capture.load(std::memory_order_acquire);
+  }
+
   // True once the device has passed the mark (an event query; no synchronisation).
   bool done(int64_t slot) {
     Slot* s = at(slot);
@@ -243,6 +253,7 @@ class Pool {
     Slot* s = at(slot);
     if (s == nullptr) return;
     s->recorded.store(false, std::memory_order_release);
+    s->in_capture.store(false, std::memory_order_relaxed);
     s->generation.fetch_add(1, std::memory_order_acq_rel);
   }
 

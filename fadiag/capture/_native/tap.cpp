@@ -93,6 +93,7 @@ struct Record {
   bool cuda = false;
   int64_t link = 0;     // the Python wrapper's number for this call; 0: compiled code's call
   int64_t host_ns = 0;  // steady clock at the forward (the hang check's age of a call)
+  bool graph_backward = false;  // its backward op ran while a CUDA graph captured the stream
 };
 
 constexpr size_t kMaxPairs = 1 << 16;  // pairing entries kept between drains, at most
@@ -172,7 +173,8 @@ class TapState {
           py::make_tuple(r.b, r.h, r.sq, r.sk, r.d), r.dv, r.kv_heads, dtype,
           c10::DeviceTypeName(r.device_type, /*lower_case=*/true), r.device_index, r.causal,
           r.dropout, r.scale, r.recompute, r.phase,
-          r.kept < 0 ? py::object(py::none()) : py::object(py::int_(r.kept)), r.cuda, r.link));
+          r.kept < 0 ? py::object(py::none()) : py::object(py::int_(r.kept)), r.cuda, r.link,
+          r.graph_backward));
     }
     return out;
   }
@@ -404,8 +406,9 @@ class TapState {
   // Under mu_: whether record `id` is in the log and has no backward yet.
   bool waiting(int64_t id) const {
     const int64_t index = id - first_id_;
-    return index >= 0 && index < static_cast<int64_t>(records_.size()) &&
-           records_[static_cast<size_t>(index)].b0 < 0;
+    if (index < 0 || index >= static_cast<int64_t>(records_.size())) return false;
+    const Record& r = records_[static_cast<size_t>(index)];
+    return r.b0 < 0 && !r.graph_backward;
   }
 
   void backward(const Spec& s, const c10::SafeKernelFunction& original,
@@ -461,9 +464,18 @@ class TapState {
     if (cuda) {
       guard.emplace(device);
       // A backward captured into a CUDA graph (its forward measured outside one): a timing
-      // event recorded while the stream captures would fail, and invalidate the capture.
+      // event recorded while the stream captures would fail, and invalidate the capture. The
+      // op counts as captured (per replay, as a captured forward does), and its forward's
+      // record says so: the call is reported unmeasured, not with a backward of 0.
       if (pool->capturing()) {  // the current stream of the device the guard made current
-        unpaired_.fetch_add(1);
+        captured_.fetch_add(1);
+        {
+          std::lock_guard<std::mutex> lock(mu_);
+          if (waiting(id)) {
+            records_[static_cast<size_t>(id - first_id_)].graph_backward = true;
+            --waiting_;
+          }
+        }
         original.callBoxed(op, ks, stack);
         return;
       }
