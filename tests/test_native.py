@@ -335,6 +335,64 @@ def test_the_tap_loads_the_extension_in_the_background_and_attach_does_not_wait(
     assert s.tap_status == "installed" and s.recorder.tap is not None
 
 
+def test_the_background_build_leaves_the_import_system_alone():
+    """The build thread must not change `sys.meta_path` or `sys.path`: another thread importing
+    while a list it walks changes can step past the path finder (ModuleNotFoundError in the
+    user's import). In a fresh process (setuptools not yet imported, as after `import torch`),
+    every change to either list made while `tap: auto` attaches and the extension loads comes
+    from the attaching thread."""
+    import subprocess
+
+    script = """
+import sys, threading, time
+import torch
+import fadiag
+from fadiag.capture import native
+
+class Watched(list):
+    def __init__(self, items, name):
+        super().__init__(items)
+        self.name = name
+    def _note(self, what):
+        CHANGES.append((self.name, what, threading.current_thread().name))
+    def insert(self, i, x):
+        self._note("insert"); super().insert(i, x)
+    def append(self, x):
+        self._note("append"); super().append(x)
+    def extend(self, xs):
+        self._note("extend"); super().extend(xs)
+    def remove(self, x):
+        self._note("remove"); super().remove(x)
+    def pop(self, *a):
+        self._note("pop"); return super().pop(*a)
+    def __setitem__(self, i, x):
+        self._note("setitem"); super().__setitem__(i, x)
+    def __delitem__(self, i):
+        self._note("delitem"); super().__delitem__(i)
+
+CHANGES = []
+assert "setuptools" not in sys.modules
+sys.meta_path = Watched(sys.meta_path, "meta_path")
+sys.path = Watched(sys.path, "path")
+s = fadiag.attach(port=0, tap="auto")
+deadline = time.monotonic() + 600
+while native.status("cpu") not in ("loaded",) and not native.status("cpu").startswith("unavailable"):
+    assert time.monotonic() < deadline, native.status("cpu")
+    time.sleep(0.05)
+print("STATUS", native.status("cpu"))
+print("SETUPTOOLS", "setuptools" in sys.modules)
+print("OTHER", [c for c in CHANGES if c[2] != threading.main_thread().name])
+fadiag.detach()
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         timeout=900)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    lines = dict(line.split(" ", 1) for line in out.stdout.splitlines() if " " in line)
+    assert lines.get("STATUS") == "loaded", out.stdout + out.stderr
+    assert lines.get("SETUPTOOLS") == "True", out.stdout  # the builder's imports did run
+    assert lines.get("OTHER") == "[]", out.stdout
+
+
 def test_a_bad_native_setting_is_a_config_error():
     with pytest.raises(fadiag.ConfigError, match="native must be one of"):
         attach(native="yes")

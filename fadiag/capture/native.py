@@ -68,8 +68,15 @@ def load(kind: str) -> ModuleType | None:
 def load_in_background(kind: str, on_ready: Callable[[ModuleType], None]) -> None:
     """Build or load in a daemon thread and call `on_ready(module)` there if it works.
 
-    Callers that ask while a build is under way are called when it ends.
+    Callers that ask while a build is under way are called when it ends. torch's extension
+    builder is imported here, on the caller's thread, and not on the build thread: it imports
+    setuptools, whose distutils shim inserts a finder into `sys.meta_path` and removes it again,
+    and a thread importing at that moment can step past the path finder and fail with
+    ModuleNotFoundError (seen in a torchrun rank: `No module named 'torch._dynamo'`, in the
+    user's import, while this thread loaded the marks).
     """
+    from torch.utils import cpp_extension  # noqa: F401  (~40 ms, once)
+
     with _lock:
         module = _modules.get(kind)
         if module is None:
