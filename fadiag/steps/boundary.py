@@ -224,7 +224,8 @@ class StepBoundaries:
         """Attention calls seen and not measured since start, by reason (cumulative)."""
         totals = {"sampling": self.sampled_out, "per_step_cap": self.over_cap,
                   "other_device": self.other_device, **self.unmeasured}
-        for reason, n in self.resolved_unmeasured.items():
+        # Copied at once (under the GIL): the resolver thread adds to it while this may run.
+        for reason, n in list(self.resolved_unmeasured.items()):
             totals[reason] = totals.get(reason, 0) + n
         if self.tap is not None:
             for reason, n in self.tap.counts().items():
