@@ -68,6 +68,9 @@ MODELS = {
     "launch_bound": dict(layers=6, d=256, h=4, T=256, B=4),
     # The GPU-bound model under torch.compile: its attention is measured by the dispatcher tap.
     "compiled_gpu_bound": dict(layers=12, d=1024, h=16, T=2048, B=8, compile=True),
+    # The launch-bound model compiled: no Python per op left in the step but dynamo's guards, so
+    # what fadiag costs is the tap's C++ per op, the step boundary and the resolver.
+    "compiled_launch_bound": dict(layers=6, d=256, h=4, T=256, B=4, compile=True),
 }
 
 

@@ -28,17 +28,20 @@ import fadiag  # noqa: E402
 OPS = {"cpu": "_scaled_dot_product_flash_attention_for_cpu", "cuda": "_scaled_dot_product_flash_attention"}
 
 
-def run(device: str, calls: int, boundary=lambda: fadiag.step()) -> float:
+def run(device: str, calls: int, boundary=lambda: fadiag.step(), call=None) -> float:
     op = getattr(torch.ops.aten, OPS[device]).default
     q = torch.randn(1, 1, 16, 64, device=device, dtype=torch.float16 if device == "cuda" else torch.float32,
                     requires_grad=True)
+    if call is None:
+        def call(q):
+            op(q, q, q)[0].sum().backward()
     for _ in range(100):
-        op(q, q, q)[0].sum().backward()
+        call(q)
     if device == "cuda":
         torch.cuda.synchronize()
     t0 = time.perf_counter()
     for i in range(calls):
-        op(q, q, q)[0].sum().backward()
+        call(q)
         if i % 8 == 7:
             boundary()
     if device == "cuda":
@@ -61,6 +64,48 @@ def raw_tap():
             c.timer.release(c.fwd0, c.fwd1, c.bwd0, c.bwd1)
 
     return tap, boundary
+
+
+def idle_tap():
+    """The tap installed and not measuring (a sampled-out step): the wrapping kernel's dispatch,
+    boxing and checks, no marks, no record."""
+    tap, _ = raw_tap()
+    tap.set_measuring(False)
+    return tap, lambda: _release(tap)
+
+
+def released_tap():
+    """The tap measuring, each cut's marks given back on the spot: its C++ per op (marks, record,
+    pairing) without the Python that turns records into calls."""
+    tap, _ = raw_tap()
+    return tap, lambda: _release(tap)
+
+
+def _release(tap) -> None:
+    batch = tap.cut()
+    if batch is not None:
+        tap.release(batch)
+
+
+def floor_marks(device: str):
+    """Four C++ marks a call from Python (two around the op, two around its backward): what any
+    design with these marks costs, as overhead.py's floor."""
+    from fadiag.capture import native
+
+    marks = native.load(device).Marks(device == "cuda")
+    marks.ensure(4)
+    op = getattr(torch.ops.aten, OPS[device]).default
+
+    def call(q):
+        marks.mark(0)
+        out = op(q, q, q)[0]
+        marks.mark(1)
+        s = out.sum()
+        marks.mark(2)
+        s.backward()
+        marks.mark(3)
+
+    return call
 
 
 def python_override(device: str):
@@ -90,9 +135,16 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", default="tap-cost.json")
     args = p.parse_args()
-    rows: dict[str, list[float]] = {"plain": [], "tap": [], "python_library": [], "session": []}
+    rows: dict[str, list[float]] = {"plain": [], "floor": [], "tap_idle": [], "tap_released": [],
+                                    "tap": [], "python_library": [], "session": []}
+    floor = floor_marks(args.device)
     for _ in range(args.repeats):  # interleaved, so drift in the host's speed hits every row
         rows["plain"].append(run(args.device, args.calls))
+        rows["floor"].append(run(args.device, args.calls, lambda: None, floor))
+        for name, make in (("tap_idle", idle_tap), ("tap_released", released_tap)):
+            tap, boundary = make()
+            rows[name].append(run(args.device, args.calls, boundary))
+            tap.uninstall()
         tap, boundary = raw_tap()
         rows["tap"].append(run(args.device, args.calls, boundary))
         tap.uninstall()
@@ -107,12 +159,11 @@ def main() -> None:
     out = {"device": torch.cuda.get_device_name() if args.device == "cuda" else "cpu",
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
            "command": " ".join(sys.argv), "us_per_call_fwd_bwd": med,
+           "minus_plain_us": {k: v - med["plain"] for k, v in med.items() if k != "plain"},
            "tap_minus_plain_us": med["tap"] - med["plain"],
            "python_library_minus_plain_us": med["python_library"] - med["plain"],
            "session_minus_plain_us": med["session"] - med["plain"], "runs": rows}
-    print(json.dumps({k: out[k] for k in ("us_per_call_fwd_bwd", "tap_minus_plain_us",
-                                          "python_library_minus_plain_us",
-                                          "session_minus_plain_us")}, indent=1))
+    print(json.dumps({k: out[k] for k in ("us_per_call_fwd_bwd", "minus_plain_us")}, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
 

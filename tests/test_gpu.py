@@ -584,6 +584,42 @@ def test_a_measured_forward_whose_backward_is_captured_into_a_graph_is_counted_u
     assert [c.backward_seconds > 0 for c in session.last_step().calls] == [True, True]
 
 
+def test_a_captured_last_backward_closes_the_backward_window_the_tap_opened():
+    """Two measured forwards; the first one's backward runs eagerly (the tap opens the backward
+    window: the training thread is blocked in backward() and the resolver may take the GIL), the
+    second one's is captured into a CUDA graph. That was the last backward the pass awaited, so
+    the window ends there, not at the next step boundary: a window left open lets the resolver
+    run Python while the training thread does."""
+    session = attach("tap")
+    timer = session.devices.timer("cuda")
+    a = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    b = torch.randn(1, 4, 256, 64, device="cuda", dtype=torch.float16, requires_grad=True)
+    for _ in range(3):  # both signatures learned (one shape): linked calls from here
+        (F.scaled_dot_product_attention(a, a, a).sum()
+         + F.scaled_dot_product_attention(b, b, b).sum()).backward()
+        fadiag.step()
+    assert session.flush(30)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        out_a = F.scaled_dot_product_attention(a, a, a)
+        out_b = F.scaled_dot_product_attention(b, b, b)
+        out_a.sum().backward()
+    assert timer.window()  # one backward of two: the window is open
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=side):
+        out_b.backward(torch.ones_like(out_b), retain_graph=True)
+    assert not timer.window()  # the pass's last awaited backward ran (captured)
+    graph.replay()
+    torch.cuda.synchronize()
+    fadiag.step()
+    assert session.flush(30)
+    assert session.errors == 0
+    last = session.last_step()
+    assert len(last.calls) == 1 and last.calls[0].backward_seconds > 0, last
+    assert last.unmeasured.get("graph_capture_backward") == 1, last
+
+
 # ---- flex_attention inside a compiled model -----------------------------------------------------
 
 

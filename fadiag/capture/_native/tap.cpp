@@ -473,7 +473,8 @@ class TapState {
           std::lock_guard<std::mutex> lock(mu_);
           if (waiting(id)) {
             records_[static_cast<size_t>(id - first_id_)].graph_backward = true;
-            --waiting_;
+            // The last awaited backward of the pass: the window an earlier one opened ends.
+            if (--waiting_ <= 0) pool->tap_window(false);
           }
         }
         original.callBoxed(op, ks, stack);
