@@ -1,7 +1,9 @@
 """What one intercepted fused-attention op call costs the host, by mechanism.
 
 Calls the fused SDPA op directly (as compiled code does) on tiny inputs, forward and backward,
-with: nothing (plain); the dispatcher tap alone (a C++ boxed kernel around the registered one,
+with: nothing (plain); four C++ marks a call from Python (the floor); the tap installed and not
+measuring (its wrapping kernel's dispatch and boxing alone); the tap measuring with each cut's
+marks given back (its whole C++, no Python); the dispatcher tap alone (a C++ boxed kernel around the registered one,
 two marks and a record per op, records cut and made calls every 8 calls); a Python kernel registered over
 the op with torch.library that calls the kernel it replaces and takes two host-clock marks
 (Python per call); and the whole session (the tap, a step every 8 calls resolved, judged and
