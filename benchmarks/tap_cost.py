@@ -3,12 +3,12 @@
 Calls the fused SDPA op directly (as compiled code does) on tiny inputs, forward and backward,
 with: nothing (plain); four C++ marks a call from Python (the floor); the tap installed and not
 measuring (its wrapping kernel's dispatch and boxing alone); the tap measuring with each cut's
-marks given back (its whole C++, no Python); the dispatcher tap alone (a C++ boxed kernel around the registered one,
-two marks and a record per op, records cut and made calls every 8 calls); a Python kernel registered over
-the op with torch.library that calls the kernel it replaces and takes two host-clock marks
-(Python per call); and the whole session (the tap, a step every 8 calls resolved, judged and
-exported: what a step costs, spread over its calls). Each row is the median of `--repeats` runs of
-`--calls` calls. CPU or CUDA (`--device`). Usage:
+marks given back (its whole C++, no Python); the dispatcher tap alone (a C++ boxed kernel around
+the registered one, two marks and a record per op, records cut and made calls every 8 calls); a
+Python kernel registered over the op with torch.library that calls the kernel it replaces and
+takes two host-clock marks (Python per call); and the whole session (the tap, a step every 8
+calls resolved, judged and exported: what a step costs, spread over its calls). Each row is the
+median of `--repeats` runs of `--calls` calls. CPU or CUDA (`--device`). Usage:
 
     python benchmarks/tap_cost.py --device cpu --out benchmarks/results/tap-cost-cpu.json
 """
@@ -68,25 +68,19 @@ def raw_tap():
     return tap, boundary
 
 
-def idle_tap():
-    """The tap installed and not measuring (a sampled-out step): the wrapping kernel's dispatch,
-    boxing and checks, no marks, no record."""
+def released_tap(measuring: bool):
+    """The tap with each cut's marks given back on the spot. Measuring: its C++ per op (marks,
+    record, pairing) without the Python that turns records into calls; not measuring (a
+    sampled-out step): the wrapping kernel's dispatch, boxing and checks alone."""
     tap, _ = raw_tap()
-    tap.set_measuring(False)
-    return tap, lambda: _release(tap)
+    tap.set_measuring(measuring)
 
+    def boundary() -> None:
+        batch = tap.cut()
+        if batch is not None:
+            tap.release(batch)
 
-def released_tap():
-    """The tap measuring, each cut's marks given back on the spot: its C++ per op (marks, record,
-    pairing) without the Python that turns records into calls."""
-    tap, _ = raw_tap()
-    return tap, lambda: _release(tap)
-
-
-def _release(tap) -> None:
-    batch = tap.cut()
-    if batch is not None:
-        tap.release(batch)
+    return tap, boundary
 
 
 def floor_marks(device: str):
@@ -143,8 +137,8 @@ def main() -> None:
     for _ in range(args.repeats):  # interleaved, so drift in the host's speed hits every row
         rows["plain"].append(run(args.device, args.calls))
         rows["floor"].append(run(args.device, args.calls, lambda: None, floor))
-        for name, make in (("tap_idle", idle_tap), ("tap_released", released_tap)):
-            tap, boundary = make()
+        for name, measuring in (("tap_idle", False), ("tap_released", True)):
+            tap, boundary = released_tap(measuring)
             rows[name].append(run(args.device, args.calls, boundary))
             tap.uninstall()
         tap, boundary = raw_tap()
@@ -162,9 +156,7 @@ def main() -> None:
            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
            "command": " ".join(sys.argv), "us_per_call_fwd_bwd": med,
            "minus_plain_us": {k: v - med["plain"] for k, v in med.items() if k != "plain"},
-           "tap_minus_plain_us": med["tap"] - med["plain"],
-           "python_library_minus_plain_us": med["python_library"] - med["plain"],
-           "session_minus_plain_us": med["session"] - med["plain"], "runs": rows}
+           "runs": rows}
     print(json.dumps({k: out[k] for k in ("us_per_call_fwd_bwd", "minus_plain_us")}, indent=1))
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps(out, indent=1))
