@@ -1,8 +1,10 @@
 """The dispatcher tap: fused attention ops measured where torch dispatches them.
 
 Compiled code calls the fused SDPA ops (and flash_attn's) through the dispatcher in both passes,
-where no Python wrapper runs. `_native/tap.cpp` wraps each op's registered kernel: two marks, a
-record, no Python per call. At each step boundary the training thread cuts the record log (one
+where no Python wrapper runs. `_native/tap.cpp` registers a kernel for each op at the
+BackendSelect key, below autograd and just above every backend, which hands the call on to the
+backend's kernel untouched: two marks, a record, no Python per call; aten's ops typed, so the call
+is never boxed. At each step boundary the training thread cuts the record log (one
 C++ swap); the resolver thread turns the cut into calls like any other.
 
 Eager calls reach the tap through fadiag's Python wrapper, which names their call site. Once a
@@ -34,11 +36,13 @@ log = logging.getLogger("fadiag")
 SITE = "compiled"
 """Calls the tap measures have no Python call site: `compiled#n` is the n-th in the pass."""
 KEYS = ("CPU", "CUDA")
-"""Backend keys wrapped. torch_npu's ops are not tapped (no Ascend hardware to check them on);
-on NPU the Python interceptors measure them in eager code."""
+"""Backends timed: an op is tapped where it has a kernel for one. torch_npu's ops are not tapped
+(no Ascend hardware to check them on); on NPU the Python interceptors measure them in eager code."""
 _LATER_STEPS = 64
 """Resolutions a linked record waits for its call before its marks are given back."""
-_MIN_TORCH = (2, 9)  # OperatorHandle::getComputedKernelForDispatchKey, the kernel a wrapper calls
+_MIN_TORCH = (2, 9)
+"""The oldest torch the tap was built and tested with (OperatorHandle::getComputedKernelForDispatchKey,
+for an op with a kernel of its own at the tap's key, came with 2.9)."""
 
 
 @dataclass(frozen=True)
@@ -110,9 +114,10 @@ def specs(ops: tuple[TapOp, ...] = TAP_OPS) -> list[dict[str, Any]]:
             spec["lse"] = next((rets.index(n) for n in _LSE if n in rets), 1)
         if min(spec["q"], spec["k"], spec["v"]) < 0:
             continue
-        for key in KEYS:
-            if torch._C._dispatch_has_kernel_for_dispatch_key(op.name, key):
-                out.append({**spec, "key": key})
+        spec["backends"] = [key for key in KEYS
+                            if torch._C._dispatch_has_kernel_for_dispatch_key(op.name, key)]
+        if spec["backends"]:
+            out.append(spec)
     return out
 
 
@@ -120,7 +125,7 @@ def supported() -> str | None:
     """Why the tap cannot run with this torch, or None."""
     version = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
     if version < _MIN_TORCH:
-        return f"torch {torch.__version__} < 2.9 has no kernel lookup for a wrapping kernel"
+        return f"torch {torch.__version__} < 2.9, the oldest the tap is built and tested with"
     return None
 
 
@@ -191,14 +196,17 @@ class Tap:
         """Linked calls the tap has no record of (cut off by the per-step cap, an unreadable
         argument, an error): not measured."""
         self.ops: list[str] = []
+        self.how: dict[str, str] = {}
+        """How each op is tapped: "typed" (aten's, unboxed), "boxed", or "wrapped" (the op's own
+        kernel at the tap's key called by the tap's)."""
 
     def install(self) -> None:
         found = specs()
-        self._tap.install(found)
-        self.ops = sorted({s["name"] for s in found})
+        self.how = dict(zip((s["name"] for s in found), self._tap.install(found), strict=True))
+        self.ops = sorted(self.how)
         self._watch_cuda_graphs()
         log.info("fadiag: dispatcher tap on %d attention ops (%s)", len(self.ops),
-                 ", ".join(op.split("::")[1] for op in self.ops))
+                 ", ".join(f"{op.split('::')[1]} ({self.how[op]})" for op in self.ops))
 
     def uninstall(self) -> None:
         self._tap.uninstall()

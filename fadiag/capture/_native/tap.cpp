@@ -1,15 +1,22 @@
-// The dispatcher tap: a wrapping kernel around each fused attention op's registered kernel.
+// The dispatcher tap: a kernel below autograd for each fused attention op and its backward op.
 //
 // Compiled code (inductor's Python wrapper, AOTAutograd) calls the fused SDPA ops and their
 // backward ops through the dispatcher, where no Python wrapper runs. The tap registers, for each
-// op and backend key it is given, a boxed kernel that keeps the kernel it replaces and calls it:
-// a mark before, a mark after, and a record of what the call was (shape, dtype, causal, dropout,
-// whether it ran inside a backward pass). A backward op is paired with its forward by the
-// logsumexp (or output) tensor it receives, and what it receives besides q, k, v and the incoming
-// gradient is exactly what the forward kept for it. At each step boundary the training thread
-// cuts the log (a swap, no Python per record) and the resolver thread turns the cut records into
-// calls. Destroying the registrations (uninstall) gives every op back the kernel it had: the
-// dispatcher keeps the replaced kernel and makes it current again.
+// op, a kernel at the BackendSelect key: the last key before the backend's, which every call of
+// the op passes (the key is in every thread's included set, and autograd's kernels, even the
+// fallback of ops without a derivative, hand calls on below themselves). The tap hands the call
+// on to the next key (redispatch), so the kernel registered for the backend, whichever it is, is
+// never touched. Around that call it takes a mark before and a mark after and records what the
+// call was (shape, dtype, causal, dropout, whether it ran inside a backward pass). A backward op
+// is paired with its forward by the logsumexp (or output) tensor it receives, and what it
+// receives besides q, k, v and the incoming gradient is exactly what the forward kept for it. At
+// each step boundary the training thread cuts the log (a swap, no Python per record) and the
+// resolver thread turns the cut records into calls. Destroying the registrations (uninstall)
+// leaves the ops as they were: nothing at BackendSelect, which the dispatcher then skips.
+//
+// aten's ops get typed kernels, built from the op's own C++ signature in this torch's headers
+// (at::_ops::<op>::schema): the call stays unboxed from the caller to the backend. Other ops
+// (flash_attn's, registered from Python) get a boxed kernel.
 //
 // Eager calls go through fadiag's Python wrapper first, which names their call site. A call whose
 // signature Python has learned is *linked*: the wrapper gives it a number (`link`) and takes no
@@ -46,7 +53,25 @@
 #include <c10/cuda/CUDAGuard.h>
 #endif
 
+#include "args.h"
 #include "pool.h"
+
+// The aten ops the tap types: each op's C++ signature and redispatch (at::_ops::<op>).
+#include <ATen/ops/_efficient_attention_backward_ops.h>
+#include <ATen/ops/_efficient_attention_forward_ops.h>
+#include <ATen/ops/_flash_attention_backward_ops.h>
+#include <ATen/ops/_flash_attention_forward_ops.h>
+#include <ATen/ops/_scaled_dot_product_efficient_attention_backward_ops.h>
+#include <ATen/ops/_scaled_dot_product_efficient_attention_ops.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_backward_ops.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_backward_ops.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_for_cpu_ops.h>
+#include <ATen/ops/_scaled_dot_product_flash_attention_ops.h>
+#if __has_include(<ATen/ops/_scaled_dot_product_cudnn_attention_backward_ops.h>)
+#include <ATen/ops/_scaled_dot_product_cudnn_attention_backward_ops.h>
+#include <ATen/ops/_scaled_dot_product_cudnn_attention_ops.h>
+#define FADIAG_CUDNN_ATTENTION 1
+#endif
 
 // getComputedKernelForDispatchKey (the kernel a wrapper calls) came with torch 2.9.
 #include <torch/version.h>
@@ -65,7 +90,6 @@ namespace py = pybind11;
 struct Spec {
   std::string name;      // "aten::_scaled_dot_product_flash_attention"
   std::string overload;  // "" for the default overload
-  std::string key;       // the backend key wrapped: "CPU", "CUDA", "PrivateUse1"
   int64_t op = 0;        // Python's index of the op in its table
   bool backward = false;
   bool bshd = false;     // (B, S, H, D) tensors, or packed (T, H, D) with cumulative lengths
@@ -105,9 +129,21 @@ thread_local int64_t t_link = 0;  // that call's link: the tap times it (0: Pyth
 thread_local bool t_seen = false;  // a tapped forward op ran inside the wrapper's call
 
 struct Quiet : c10::WarningHandler {
-  // Registering over an existing kernel warns once; fadiag says what it did in its own log.
+  // Registering over an op's own kernel at the key warns once; fadiag's log says it.
   void process(const c10::Warning& /*warning*/) override {}
 };
+
+// The keys a call is handed on to from the tap's: the backend's.
+constexpr c10::DispatchKeySet kBelow =
+    c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::BackendSelect);
+
+// Whether a call the tap hands on reaches a device's kernel (CPU, CUDA, or another backend:
+// PrivateUse1, an NPU's), not a tracer's (fake or meta tensors, a Python mode).
+inline bool reaches_backend(c10::DispatchKeySet below) {
+  const c10::DispatchKey k = below.highestPriorityTypeId();
+  return k == c10::DispatchKey::CPU || k == c10::DispatchKey::CUDA ||
+         k == c10::DispatchKey::PrivateUse1;
+}
 
 class TapState {
  public:
@@ -116,22 +152,17 @@ class TapState {
 
   std::vector<Spec> specs;
 
-  void call(int64_t i, const c10::SafeKernelFunction& original, const c10::OperatorHandle& op,
-            c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-    if (t_depth > 0) {  // the op a tapped op calls (flash's _flash_attention_forward, ...)
-      original.callBoxed(op, ks, stack);
-      return;
-    }
+  // One call of op `i`, with `args` its arguments' views: `run()` calls what the tap wraps and
+  // returns its results, `results(out)` views them. The op's own errors pass through.
+  template <class Run, class Results>
+  auto call(int64_t i, c10::ArrayRef<Arg> args, Run&& run, Results&& results) {
+    if (t_depth > 0) return run();  // an op a tapped op calls (flash's _flash_attention_forward)
     ++t_depth;
     struct Leave {
       ~Leave() { --t_depth; }
     } leave;
     const Spec& s = specs[static_cast<size_t>(i)];
-    if (s.backward) {
-      backward(s, original, op, ks, stack);
-    } else {
-      forward(s, original, op, ks, stack);
-    }
+    return s.backward ? backward(s, args, run) : forward(s, args, run, results);
   }
 
   void set_measuring(bool on) { measuring_.store(on, std::memory_order_relaxed); }
@@ -219,10 +250,17 @@ class TapState {
     const void* lse = nullptr;
   };
 
-  static const void* ptr_of(const c10::IValue& v) {
-    if (!v.isTensor()) return nullptr;
-    const at::Tensor& t = v.toTensor();
-    return t.defined() && t.numel() > 0 ? t.data_ptr() : nullptr;
+  static const void* ptr_of(const Arg& a) {
+    if (!a.is_tensor()) return nullptr;
+    const at::Tensor& t = a.t();
+    return t.numel() > 0 ? t.data_ptr() : nullptr;
+  }
+
+  static Ptr ptrs(const Spec& s, c10::ArrayRef<Arg> results) {
+    const auto at = [&](int64_t i) {
+      return i >= 0 && i < static_cast<int64_t>(results.size()) ? ptr_of(results[i]) : nullptr;
+    };
+    return Ptr{at(s.out), at(s.lse)};
   }
 
   // The pool whose marks time a call on `type`; null for a device the tap does not time.
@@ -232,36 +270,36 @@ class TapState {
     return nullptr;
   }
 
-  // The original kernel between two marks: (start, end); the host time the window may hold
-  // is read from the two slots with its seconds (Pool::held_host_ns). The op's own error passes
-  // through, its start mark given back.
-  static std::pair<int64_t, int64_t> timed(Pool* pool, const c10::SafeKernelFunction& original,
-                                           const c10::OperatorHandle& op, c10::DispatchKeySet ks,
-                                           torch::jit::Stack* stack) {
-    const int64_t start = pool->take_marked(/*capture_checked=*/true);
+  // `run()` between two marks: (start, end); the host time the window may hold is read from the
+  // two slots with its seconds (Pool::held_host_ns). The op's own error passes through, its
+  // start mark given back.
+  template <class Run>
+  static auto timed(Pool* pool, Run& run, int64_t& start, int64_t& end) {
+    start = pool->take_marked(/*capture_checked=*/true);
     try {
-      original.callBoxed(op, ks, stack);
+      auto out = run();
+      end = pool->take_marked(/*capture_checked=*/true, /*since=*/start);
+      return out;
     } catch (...) {
       pool->give_back(start);
       throw;
     }
-    return {start, pool->take_marked(/*capture_checked=*/true, /*since=*/start)};
   }
 
   // Shape, dtype and flags from the arguments; false when they cannot be read.
-  static bool read(const Spec& s, c10::ArrayRef<c10::IValue> args, Record& r) {
-    if (!args[s.q].isTensor() || !args[s.k].isTensor() || !args[s.v].isTensor()) return false;
-    const at::Tensor& q = args[s.q].toTensor();
-    const at::Tensor& k = args[s.k].toTensor();
-    const at::Tensor& v = args[s.v].toTensor();
-    if (!q.defined() || q.is_nested() || q.dim() != k.dim() || q.dim() != v.dim()) return false;
+  static bool read(const Spec& s, c10::ArrayRef<Arg> args, Record& r) {
+    if (!args[s.q].is_tensor() || !args[s.k].is_tensor() || !args[s.v].is_tensor()) return false;
+    const at::Tensor& q = args[s.q].t();
+    const at::Tensor& k = args[s.k].t();
+    const at::Tensor& v = args[s.v].t();
+    if (q.is_nested() || q.dim() != k.dim() || q.dim() != v.dim()) return false;
     if (s.bshd && q.dim() == 3) {  // packed sequences: (total tokens, heads, head dim)
-      if (s.cu_q < 0 || !args[s.cu_q].isTensor()) return false;
-      r.b = args[s.cu_q].toTensor().numel() - 1;
+      if (s.cu_q < 0 || !args[s.cu_q].is_tensor()) return false;
+      r.b = args[s.cu_q].t().numel() - 1;
       r.h = q.size(1);
       r.d = q.size(2);
-      r.sq = s.max_q >= 0 && args[s.max_q].isInt() ? args[s.max_q].toInt() : q.size(0);
-      r.sk = s.max_k >= 0 && args[s.max_k].isInt() ? args[s.max_k].toInt() : k.size(0);
+      r.sq = s.max_q >= 0 && args[s.max_q].kind == Arg::kInt ? args[s.max_q].integer : q.size(0);
+      r.sk = s.max_k >= 0 && args[s.max_k].kind == Arg::kInt ? args[s.max_k].integer : k.size(0);
       r.kv_heads = k.size(1);
       r.dv = v.size(2);
     } else if (q.dim() == 4) {  // (B, H, S, D), or (B, S, H, D)
@@ -279,67 +317,72 @@ class TapState {
     r.dtype = q.scalar_type();
     r.device_type = q.device().type();
     r.device_index = q.device().index();
-    if (s.causal >= 0) {
-      const c10::IValue& c = args[s.causal];
-      r.causal = c.isBool() ? c.toBool() : (c.isInt() && c.toInt() != 0);  // efficient: mask type
+    if (s.causal >= 0) {  // a flag, or efficient's mask type (0: none)
+      const Arg& c = args[s.causal];
+      r.causal = (c.kind == Arg::kBool || c.kind == Arg::kInt) && c.integer != 0;
     }
-    if (s.dropout >= 0 && args[s.dropout].isDouble()) r.dropout = args[s.dropout].toDouble();
-    if (s.scale >= 0 && args[s.scale].isDouble()) r.scale = args[s.scale].toDouble();
+    if (s.dropout >= 0 && args[s.dropout].kind == Arg::kDouble) r.dropout = args[s.dropout].number;
+    if (s.scale >= 0 && args[s.scale].kind == Arg::kDouble) r.scale = args[s.scale].number;
     return true;
   }
 
-  void forward(const Spec& s, const c10::SafeKernelFunction& original,
-               const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-    const size_t nargs = op.schema().arguments().size();
-    const size_t nrets = op.schema().returns().size();
-    Record r;
-    Pool* pool = nullptr;
-    bool measure = false;
+  // Whether to time a forward, and the record it starts (read from `args`); false leaves it
+  // unmeasured (and counted, where that is a reason).
+  bool plan(const Spec& s, c10::ArrayRef<Arg> args, Record& r, Pool*& pool) {
     try {
       if (t_python > 0) t_seen = true;
       r.link = t_link;
       t_link = 0;  // one fused forward per wrapped call; anything after it passes through
-      if (t_python == 0 || r.link != 0) {
-        if (r.link == 0 && !measuring_.load(std::memory_order_relaxed)) {
-          sampled_.fetch_add(1);
-        } else if (!read(s, torch::jit::last(*stack, nargs), r)) {
-          unreadable_.fetch_add(1);
-        } else if ((pool = pool_for(r.device_type)) == nullptr) {
-          other_device_.fetch_add(1);
-        } else {
-          measure = true;
-        }
+      if (t_python > 0 && r.link == 0) return false;  // Python's own call: it times it
+      if (r.link == 0 && !measuring_.load(std::memory_order_relaxed)) {
+        sampled_.fetch_add(1);
+      } else if (!read(s, args, r)) {
+        unreadable_.fetch_add(1);
+      } else if ((pool = pool_for(r.device_type)) == nullptr) {
+        other_device_.fetch_add(1);
+      } else {
+        return true;
       }
     } catch (...) {
       errors_.fetch_add(1);
-      measure = false;
     }
-    if (!measure) {
-      original.callBoxed(op, ks, stack);
-      remember(torch::jit::last(*stack, nrets), s, kUnmeasured);
-      return;
-    }
+    return false;
+  }
+
+  template <class Run, class Results>
+  auto forward(const Spec& s, c10::ArrayRef<Arg> args, Run& run, Results& results) {
+    Record r;
+    Pool* pool = nullptr;
+    const bool measure = plan(s, args, r, pool);
     r.op = s.op;
     r.cuda = r.device_type == c10::DeviceType::CUDA;
 #ifdef FADIAG_CUDA
     // Marks go on the current stream of the inputs' device, where the op's kernels are queued.
     std::optional<c10::cuda::CUDAGuard> guard;
-    if (r.cuda) {
-      guard.emplace(static_cast<c10::DeviceIndex>(r.device_index));
-      if (pool->capturing()) {  // the current stream of the device the guard made current
-        captured_.fetch_add(1);  // counted per replay by Python (torch.cuda.CUDAGraph.replay)
-        original.callBoxed(op, ks, stack);
-        remember(torch::jit::last(*stack, nrets), s, kUnmeasured);
-        return;
-      }
-    }
+    if (measure && r.cuda) guard.emplace(static_cast<c10::DeviceIndex>(r.device_index));
+    // A stream a CUDA graph captures (of the device the guard made current) takes no mark: the
+    // op counts as captured, per replay (by Python: torch.cuda.CUDAGraph.replay).
+    const bool captured = measure && r.cuda && pool->capturing();
+    if (captured) captured_.fetch_add(1);
+#else
+    const bool captured = false;
 #endif
+    if (!measure || captured) {
+      auto out = run();
+      remember(s, results(out), kUnmeasured);
+      return out;
+    }
     r.recompute = torch::autograd::get_current_graph_task_id() != -1;
     r.host_ns = steady_ns();
-    std::tie(r.f0, r.f1) = timed(pool, original, op, ks, stack);
+    auto out = timed(pool, run, r.f0, r.f1);
+    keep(s, r, pool, results(out));
+    return out;
+  }
+
+  // A measured forward's record, into the log.
+  void keep(const Spec& s, const Record& r, Pool* pool, c10::ArrayRef<Arg> results) {
     try {
-      auto results = torch::jit::last(*stack, nrets);
-      Ptr p{ptr_of(results[s.out]), ptr_of(results[s.lse])};
+      const Ptr p = ptrs(s, results);
       std::lock_guard<std::mutex> lock(mu_);
       if (static_cast<int64_t>(records_.size()) >= max_records_) {
         over_cap_.fetch_add(1);
@@ -351,9 +394,9 @@ class TapState {
         ++phase_;  // a forward after a backward: the next micro-batch
         backward_since_forward_ = false;
       }
-      r.phase = phase_;
       const int64_t id = next_id_++;
       records_.push_back(r);
+      records_.back().phase = phase_;
       ++waiting_;
       pair(p, id);
     } catch (...) {
@@ -361,9 +404,9 @@ class TapState {
     }
   }
 
-  void remember(c10::ArrayRef<c10::IValue> results, const Spec& s, int64_t id) {
+  void remember(const Spec& s, c10::ArrayRef<Arg> results, int64_t id) {
     try {
-      const Ptr p{ptr_of(results[s.out]), ptr_of(results[s.lse])};
+      const Ptr p = ptrs(s, results);
       std::lock_guard<std::mutex> lock(mu_);
       pair(p, id);
     } catch (...) {
@@ -381,18 +424,16 @@ class TapState {
 
   // Bytes of what the forward kept for this backward: the arguments Python named as such,
   // each storage once, none shared with q, k or v.
-  static int64_t kept_bytes(const Spec& s, c10::ArrayRef<c10::IValue> args) {
+  static int64_t kept_bytes(const Spec& s, c10::ArrayRef<Arg> args) {
     std::vector<const void*> seen;
     for (int64_t i : {s.q, s.k, s.v}) {
-      if (args[i].isTensor() && args[i].toTensor().defined()) {
-        seen.push_back(args[i].toTensor().storage().data());
-      }
+      if (args[i].is_tensor()) seen.push_back(args[i].t().storage().data());
     }
     int64_t total = 0;
     for (int64_t i : s.kept) {
-      if (!args[i].isTensor()) continue;
-      const at::Tensor& t = args[i].toTensor();
-      if (!t.defined() || !t.has_storage()) continue;
+      if (!args[i].is_tensor()) continue;
+      const at::Tensor& t = args[i].t();
+      if (!t.has_storage()) continue;
       const void* data = t.storage().data();
       bool dup = false;
       for (const void* p : seen) dup = dup || p == data;
@@ -411,18 +452,21 @@ class TapState {
     return r.b0 < 0 && !r.graph_backward;
   }
 
-  void backward(const Spec& s, const c10::SafeKernelFunction& original,
-                const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-    const size_t nargs = op.schema().arguments().size();
+  // The forward record a backward op's arguments name (or kUnmeasured, or -1: none), with what
+  // it kept and the pool to time the backward on; id < 0 or no pool: not timed.
+  struct Pairing {
     int64_t id = -1;
     int64_t kept = -1;
     Pool* pool = nullptr;
     bool cuda = false;
     c10::DeviceIndex device = -1;
+  };
+
+  Pairing pairing(const Spec& s, c10::ArrayRef<Arg> args) {
+    Pairing p;
     try {
-      auto args = torch::jit::last(*stack, nargs);
-      const void* lse = ptr_of(args[s.lse]);
-      const void* out = ptr_of(args[s.out]);
+      const void* lse = s.lse >= 0 ? ptr_of(args[s.lse]) : nullptr;
+      const void* out = s.out >= 0 ? ptr_of(args[s.out]) : nullptr;
       {
         // The forward still waiting for its backward that either tensor names, the latest if
         // they name two. An address can be one a freed tensor of an earlier forward had: under
@@ -436,68 +480,75 @@ class TapState {
           if (found == by_ptr_.end()) continue;
           const int64_t candidate = found->second;
           if (candidate >= 0 && waiting(candidate)) {
-            if (id < 0 || !waiting(id) || candidate > id) id = candidate;
-          } else if (id == -1) {
-            id = candidate;  // kUnmeasured, or a forward that has its backward
+            if (p.id < 0 || !waiting(p.id) || candidate > p.id) p.id = candidate;
+          } else if (p.id == -1) {
+            p.id = candidate;  // kUnmeasured, or a forward that has its backward
           }
         }
-        if (id != -1) backward_since_forward_ = true;
+        if (p.id != -1) backward_since_forward_ = true;
       }
-      if (id == -1) unpaired_.fetch_add(1);
-      if (id >= 0 && args[s.q].isTensor()) {
-        const at::Tensor& q = args[s.q].toTensor();
-        pool = pool_for(q.device().type());
-        cuda = q.is_cuda();
-        device = q.device().index();
-        kept = kept_bytes(s, args);
+      if (p.id == -1) unpaired_.fetch_add(1);
+      if (p.id >= 0 && args[s.q].is_tensor()) {
+        const at::Tensor& q = args[s.q].t();
+        p.pool = pool_for(q.device().type());
+        p.cuda = q.is_cuda();
+        p.device = q.device().index();
+        p.kept = kept_bytes(s, args);
       }
     } catch (...) {
       errors_.fetch_add(1);
-      id = -1;
+      p.id = -1;
     }
-    if (id < 0 || pool == nullptr) {
-      original.callBoxed(op, ks, stack);
-      return;
-    }
+    return p;
+  }
+
+  template <class Run>
+  auto backward(const Spec& s, c10::ArrayRef<Arg> args, Run& run) {
+    const Pairing p = pairing(s, args);
+    if (p.id < 0 || p.pool == nullptr) return run();
 #ifdef FADIAG_CUDA
     std::optional<c10::cuda::CUDAGuard> guard;
-    if (cuda) {
-      guard.emplace(device);
+    if (p.cuda) {
+      guard.emplace(p.device);
       // A backward captured into a CUDA graph (its forward measured outside one): a timing
       // event recorded while the stream captures would fail, and invalidate the capture. The
       // op counts as captured (per replay, as a captured forward does), and its forward's
       // record says so: the call is reported unmeasured, not with a backward of 0.
-      if (pool->capturing()) {  // the current stream of the device the guard made current
+      if (p.pool->capturing()) {  // the current stream of the device the guard made current
         captured_.fetch_add(1);
-        {
-          std::lock_guard<std::mutex> lock(mu_);
-          if (waiting(id)) {
-            records_[static_cast<size_t>(id - first_id_)].graph_backward = true;
-            // The last awaited backward of the pass: the window an earlier one opened ends.
-            if (--waiting_ <= 0) pool->tap_window(false);
-          }
+        std::lock_guard<std::mutex> lock(mu_);
+        if (waiting(p.id)) {
+          records_[static_cast<size_t>(p.id - first_id_)].graph_backward = true;
+          awaited(p.pool);
         }
-        original.callBoxed(op, ks, stack);
-        return;
+        return run();
       }
     }
 #endif
     backwards_.fetch_add(1);
-    pool->backward_seen();  // a backward ran: the recorder's next forward starts a micro-batch
-    pool->tap_window(true);
-    const auto [b0, b1] = timed(pool, original, op, ks, stack);
+    p.pool->backward_seen();  // a backward ran: the recorder's next forward starts a micro-batch
+    p.pool->tap_window(true);
+    int64_t b0 = -1, b1 = -1;
+    auto out = timed(p.pool, run, b0, b1);
     std::lock_guard<std::mutex> lock(mu_);
-    if (waiting(id)) {
-      Record& r = records_[static_cast<size_t>(id - first_id_)];
+    if (waiting(p.id)) {
+      Record& r = records_[static_cast<size_t>(p.id - first_id_)];
       r.b0 = b0;
       r.b1 = b1;
-      r.kept = kept;
-      if (--waiting_ <= 0) pool->tap_window(false);  // the last awaited backward op of the pass
+      r.kept = p.kept;
+      awaited(p.pool);
     } else {  // drained already, or a second backward through a retained graph
       unpaired_.fetch_add(1);
-      pool->give_back(b0);
-      pool->give_back(b1);
+      p.pool->give_back(b0);
+      p.pool->give_back(b1);
     }
+    return out;
+  }
+
+  // Under mu_: a record no longer waits for its backward. After the pass's last, the backward
+  // window the tap opened (Pool::tap_window) shuts.
+  void awaited(Pool* pool) {
+    if (--waiting_ <= 0) pool->tap_window(false);
   }
 
   std::shared_ptr<Pool> cpu_, cuda_;
@@ -518,19 +569,87 @@ struct Batch {
   std::vector<Record> records;
 };
 
-class Kernel final : public c10::OperatorKernel {
+// aten's ops, typed: the call stays unboxed from the caller through the tap to the backend.
+// Each kernel's C++ signature is the op's own in this torch's headers (at::_ops::<op>::schema),
+// so the registration matches whatever schema this torch version gives the op.
+template <class Op, class Schema = typename Op::schema>
+struct Typed;
+
+template <class Op, class Ret, class... A>
+struct Typed<Op, Ret(A...)> {
+  static torch::CppFunction kernel(std::shared_ptr<TapState> state, int64_t index) {
+    return torch::CppFunction([state = std::move(state), index](c10::DispatchKeySet ks,
+                                                                A... args) -> Ret {
+      const c10::DispatchKeySet below = ks & kBelow;
+      auto run = [&]() -> Ret { return Op::redispatch(below, args...); };
+      if (!reaches_backend(below)) return run();
+      const auto results = [](const Ret& out) { return views_of(out); };
+      return state->call(index, views(args...), run, results);
+    });
+  }
+};
+
+using TypedMaker = torch::CppFunction (*)(std::shared_ptr<TapState>, int64_t);
+
+template <class Op>
+std::pair<std::string, TypedMaker> typed() {
+  return {Op::name, &Typed<Op>::kernel};
+}
+
+// The aten ops this torch has, by qualified name (an op added in a later torch is left out).
+const std::map<std::string, TypedMaker>& typed_ops() {
+  static const std::map<std::string, TypedMaker> ops = {
+      typed<at::_ops::_scaled_dot_product_flash_attention>(),
+      typed<at::_ops::_scaled_dot_product_flash_attention_backward>(),
+      typed<at::_ops::_scaled_dot_product_efficient_attention>(),
+      typed<at::_ops::_scaled_dot_product_efficient_attention_backward>(),
+      typed<at::_ops::_scaled_dot_product_flash_attention_for_cpu>(),
+      typed<at::_ops::_scaled_dot_product_flash_attention_for_cpu_backward>(),
+      typed<at::_ops::_flash_attention_forward>(),
+      typed<at::_ops::_flash_attention_backward>(),
+      typed<at::_ops::_efficient_attention_forward>(),
+      typed<at::_ops::_efficient_attention_backward>(),
+#ifdef FADIAG_CUDNN_ATTENTION
+      typed<at::_ops::_scaled_dot_product_cudnn_attention>(),
+      typed<at::_ops::_scaled_dot_product_cudnn_attention_backward>(),
+#endif
+  };
+  return ops;
+}
+
+// Any other op (flash_attn's, registered from Python), boxed: its arguments read from the stack.
+// `original`: the op's own kernel at the tap's key, which the tap calls, where it has one.
+class Boxed final : public c10::OperatorKernel {
  public:
-  Kernel(std::shared_ptr<TapState> state, int64_t index, c10::SafeKernelFunction original)
+  Boxed(std::shared_ptr<TapState> state, int64_t index,
+        std::optional<c10::SafeKernelFunction> original)
       : state_(std::move(state)), index_(index), original_(std::move(original)) {}
 
   void operator()(const c10::OperatorHandle& op, c10::DispatchKeySet ks, torch::jit::Stack* stack) {
-    state_->call(index_, original_, op, ks, stack);
+    const c10::DispatchKeySet below = ks & kBelow;
+    auto run = [&] {
+      if (original_) {
+        original_->callBoxed(op, ks, stack);
+      } else {
+        op.redispatchBoxed(below, stack);
+      }
+      return true;
+    };
+    if (!reaches_backend(below)) {
+      run();
+      return;
+    }
+    const std::vector<Arg> args = views_of_stack(*stack, op.schema().arguments().size());
+    const size_t nrets = op.schema().returns().size();
+    // The arguments' views are read before `run` pops them; the results' after it pushed them.
+    const auto results = [&](bool) { return views_of_stack(*stack, nrets); };
+    state_->call(index_, args, run, results);
   }
 
  private:
   std::shared_ptr<TapState> state_;
   int64_t index_;
-  c10::SafeKernelFunction original_;
+  std::optional<c10::SafeKernelFunction> original_;
 };
 
 int64_t get(const py::dict& d, const char* key, int64_t fallback) {
@@ -544,15 +663,15 @@ class Tap {
 
   ~Tap() { uninstall(); }
 
-  // Wrap each op's kernel for its key. `specs`: one dict per (op, key), from fadiag/capture/tap.py.
-  void install(const std::vector<py::dict>& specs) {
+  // A kernel at BackendSelect for each op. `specs`: one dict per op, from fadiag/capture/tap.py.
+  // Returns, per op, how it is tapped: "typed", "boxed" or "wrapped" (its own kernel there called).
+  std::vector<std::string> install(const std::vector<py::dict>& specs) {
     TORCH_CHECK(libraries_.empty(), "fadiag tap: already installed");
     std::vector<Spec> parsed;
     for (const py::dict& d : specs) {
       Spec s;
       s.name = d["name"].cast<std::string>();
       s.overload = d["overload"].cast<std::string>();
-      s.key = d["key"].cast<std::string>();
       s.op = get(d, "op", 0);
       s.backward = d["backward"].cast<bool>();
       s.bshd = d["bshd"].cast<bool>();
@@ -565,6 +684,7 @@ class Tap {
       parsed.push_back(std::move(s));
     }
     state_->specs = parsed;
+    std::vector<std::string> how;
     Quiet quiet;
     c10::WarningUtils::WarningHandlerGuard guard(&quiet);
     try {
@@ -572,27 +692,39 @@ class Tap {
         const Spec& s = parsed[i];
         const auto handle = c10::Dispatcher::singleton().findSchemaOrThrow(s.name.c_str(),
                                                                            s.overload.c_str());
-        const c10::DispatchKey key = c10::parseDispatchKey(s.key);
-        c10::SafeKernelFunction original = handle.getComputedKernelForDispatchKey(key);
         const auto sep = s.name.find("::");
         const std::string ns = s.name.substr(0, sep);
         std::string op = s.name.substr(sep + 2);
         if (!s.overload.empty()) op += "." + s.overload;
-        auto& lib = libraries_[{ns, s.key}];
+        auto& lib = libraries_[ns];
         if (!lib) {
-          lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, key, __FILE__,
+          lib = std::make_unique<torch::Library>(torch::Library::IMPL, ns, kKey, __FILE__,
                                                  static_cast<uint32_t>(__LINE__));
         }
-        lib->impl(op.c_str(), torch::CppFunction::makeFromBoxedFunctor(std::make_unique<Kernel>(
-                                  state_, static_cast<int64_t>(i), std::move(original))));
+        const auto index = static_cast<int64_t>(i);
+        const auto typed = typed_ops().find(s.name);
+        if (typed != typed_ops().end() && s.overload.empty()) {
+          lib->impl(op.c_str(), typed->second(state_, index));
+          how.emplace_back("typed");
+          continue;
+        }
+        std::optional<c10::SafeKernelFunction> original;
+        if (handle.hasKernelForDispatchKey(kKey)) {
+          original.emplace(handle.getComputedKernelForDispatchKey(kKey));
+        }
+        how.emplace_back(original ? "wrapped" : "boxed");
+        lib->impl(op.c_str(), torch::CppFunction::makeFromBoxedFunctor(
+                                  std::make_unique<Boxed>(state_, index, std::move(original))));
       }
     } catch (...) {
       libraries_.clear();
       throw;
     }
+    return how;
   }
 
-  // Every op gets back the kernel it had (the dispatcher makes the replaced one current again).
+  // Every op is left as it was: nothing at BackendSelect (the dispatcher skips the key again), or
+  // its own kernel there, current again.
   void uninstall() {
     Quiet quiet;
     c10::WarningUtils::WarningHandlerGuard guard(&quiet);
@@ -621,8 +753,9 @@ class Tap {
   static bool saw() { return t_seen; }
 
  private:
+  static constexpr c10::DispatchKey kKey = c10::DispatchKey::BackendSelect;
   std::shared_ptr<TapState> state_;
-  std::map<std::pair<std::string, std::string>, std::unique_ptr<torch::Library>> libraries_;
+  std::map<std::string, std::unique_ptr<torch::Library>> libraries_;  // one per namespace
 };
 
 }  // namespace

@@ -97,7 +97,7 @@ def _tap(devices: dict[str, Any]) -> dict[str, Any]:
         why = f"the native extension for {kind}: {status.removeprefix('unavailable: ')}"
     elif why is None and status == "not built" and not native.cached(kind):
         why = "the native extension is not built yet (it is built at the first attach())"
-    ops = sorted({f"{s['name']} [{s['key']}]" for s in specs()}) if supported() is None else []
+    ops = sorted(f"{s['name']} [{', '.join(s['backends'])}]" for s in specs()) if supported() is None else []
     return {"kind": kind, "usable": why is None, "why_not": why, "ops": ops}
 
 
