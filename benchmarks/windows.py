@@ -7,13 +7,16 @@ each call's forward and backward as fadiag measured it beside the CUPTI device t
 that call ran (in call order), the GPU's busy fraction over those steps (kernel time over wall
 time), and for FlexAttention the kernels of one backward in device order with their gaps.
 
-    python benchmarks/windows.py [--out windows.json] [--only checkpointing,compiled,flex,hf,floor] [--batches 2,4]
+    python benchmarks/windows.py [--out windows.json] [--only checkpointing,compiled,flex,hf,floor,gpu_bound,apart] [--batches 2,4]
 
 Cases: an 8-layer GPT with and without non-reentrant checkpointing at two sizes (one that keeps
 the GPU waiting on the host, one that does not); the Llama-style model of benchmarks/compiled.py
 compiled at B=2 and B=4 (`--batches`); `torch.compile(flex_attention)` at S=2048 causal; with `hf` (needs
 transformers), benchmarks/hf_checkpointing.py's HF Llama with and without checkpointing; with
-`floor`, the least a window holds: two native marks back to back on a busy stream.
+`floor`, the least a window holds: two native marks back to back on a busy stream; with
+`gpu_bound`, benchmarks/overhead.py's GPU-bound GPT (D=64); with `apart`, that GPT measured by
+fadiag and by CUPTI in separate steps (neither disturbs the other). `cupti_ratio`: the profiled steps'
+backward ops over their forward ops, as CUPTI times their kernels.
 """
 
 from __future__ import annotations
@@ -124,7 +127,9 @@ def side_by_side(calls: list[dict[str, Any]], ops: list[dict[str, Any]]) -> dict
     return {"forward": rows, "backward": brows,
             "forward_vs_cupti_median": rel(rows, "fadiag_forward_ms", "cupti_forward_ms"),
             "backward_vs_cupti_median": rel(brows, "fadiag_backward_ms", "cupti_backward_ms"),
-            "forward_ops": len(fwd_ops), "forward_calls": len(calls), "kernels": fwd_ops[0]["kernels"] if fwd_ops else []}
+            "forward_ops": len(fwd_ops), "forward_calls": len(calls), "kernels": fwd_ops[0]["kernels"] if fwd_ops else [],
+            "cupti_ratio": (sum(o["device_ms"] for o in bwd_ops) / sum(o["device_ms"] for o in fwd_ops)
+                            if fwd_ops and bwd_ops else None)}
 
 
 def backward_order(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -155,6 +160,46 @@ def checkpointing(layers: int, dim: int, heads: int, batch: int, seq: int, mode:
     out = measured(session, step, 4)
     out.update({"mode": mode or "none", "size": {"layers": layers, "dim": dim, "heads": heads, "batch": batch, "seq": seq}})
     return out
+
+
+def apart(layers: int, dim: int, heads: int, batch: int, seq: int, steps: int = 20) -> dict[str, Any]:
+    """fadiag's per-call medians over `steps` unprofiled steps, then CUPTI's over steps profiled
+    without fadiag attached, on one GPT: neither measurement disturbs the other (the profiler's
+    host cost can make windows host-bound; fadiag's marks are not in CUPTI's steps)."""
+    torch.manual_seed(0)
+    model = GPT(layers=layers, dim=dim, heads=heads, vocab=512).cuda().bfloat16()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    tokens = torch.randint(0, 512, (batch, seq), device="cuda")
+
+    def step() -> None:
+        logits = model(tokens)
+        F.cross_entropy(logits.float().view(-1, 512), tokens.view(-1)).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    session = fadiag.attach(**{"exporter.enabled": False})
+    try:
+        for _ in range(4 + steps):
+            step()
+        calls = calls_of(session, steps)
+        step_ratios = [r.ratio for r in session.history()[-steps:] if r.ratio is not None]
+    finally:
+        fadiag.detach()
+    for _ in range(3):
+        step()
+    prof, wall = profiled(step, 3)
+    ops = sdpa_ops(prof)
+    fwd = [o["device_ms"] for o in ops if not o["op"].endswith("_backward")]
+    bwd = [o["device_ms"] for o in ops if o["op"].endswith("_backward")]
+    f_ms = statistics.median(c["forward_ms"] for c in calls)
+    b_ms = statistics.median(c["backward_ms"] for c in calls)
+    return {"size": {"layers": layers, "dim": dim, "heads": heads, "batch": batch, "seq": seq},
+            "impl": sorted({c["impl"] for c in calls}), "fadiag_forward_ms": f_ms,
+            "fadiag_backward_ms": b_ms, "fadiag_ratio": b_ms / f_ms,
+            "fadiag_step_ratios": [min(step_ratios, default=None), max(step_ratios, default=None)],
+            "cupti_forward_ms": statistics.median(fwd), "cupti_backward_ms": statistics.median(bwd),
+            "cupti_ratio": statistics.median(bwd) / statistics.median(fwd),
+            "cupti_ops": sorted({o["op"] for o in ops}), "gpu_busy_fraction": busy_fraction(prof, wall)}
 
 
 def compiled(batch: int) -> dict[str, Any]:
@@ -311,6 +356,18 @@ def main() -> None:
                                                     "forward_vs_cupti_median", "backward_vs_cupti_median",
                                                     "site_ratios")}), flush=True)
                 save()
+    if "apart" in only:
+        result["apart"] = apart(12, 1024, 16, 8, 2048)
+        print(json.dumps(result["apart"]), flush=True)
+        save()
+    if "gpu_bound" in only:
+        # overhead.py's GPU-bound GPT (12 layers, D=64 on cuDNN): its kernels' own ratio.
+        result["gpu_bound"] = checkpointing(12, 1024, 16, 8, 2048, None)
+        r = result["gpu_bound"]
+        print(json.dumps({k: r[k] for k in ("size", "gpu_busy_fraction", "step_ms", "forward_vs_cupti_median",
+                                            "backward_vs_cupti_median", "cupti_ratio", "site_ratios", "kernels")}),
+              flush=True)
+        save()
     if "hf" in only:
         result["hf"] = []
         for ck in (False, True):

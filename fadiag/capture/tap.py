@@ -91,10 +91,11 @@ incoming gradient, masks or sequence lengths: those are the caller's)."""
 _LSE = ("logsumexp", "softmax_lse", "softmax_logsumexp", "log_sumexp")
 
 
-def specs(ops: tuple[TapOp, ...] = TAP_OPS) -> list[dict[str, Any]]:
-    """What tap.cpp needs of each (op, key) present in this torch: positions from the schema."""
+def specs() -> list[dict[str, Any]]:
+    """What tap.cpp needs of each op of TAP_OPS present here: positions from its schema, and
+    the backends it has a kernel for (`backends`; an op with none is left out)."""
     out: list[dict[str, Any]] = []
-    for i, op in enumerate(ops):
+    for i, op in enumerate(TAP_OPS):
         try:
             schema = torch._C._get_schema(op.name, "")
         except RuntimeError:  # not in this torch, or its library is not imported
