@@ -137,12 +137,12 @@ struct Quiet : c10::WarningHandler {
 constexpr c10::DispatchKeySet kBelow =
     c10::DispatchKeySet(c10::DispatchKeySet::FULL_AFTER, c10::DispatchKey::BackendSelect);
 
-// Whether a call the tap hands on reaches a device's kernel (CPU, CUDA, or another backend:
-// PrivateUse1, an NPU's), not a tracer's (fake or meta tensors, a Python mode).
+// Whether a call the tap hands on reaches a backend the tap times (CPU, CUDA), not a tracer's
+// kernel (fake or meta tensors, a Python mode) or another device's (an NPU's fused ops are the
+// Python interceptors' to measure: tap.py's KEYS).
 inline bool reaches_backend(c10::DispatchKeySet below) {
   const c10::DispatchKey k = below.highestPriorityTypeId();
-  return k == c10::DispatchKey::CPU || k == c10::DispatchKey::CUDA ||
-         k == c10::DispatchKey::PrivateUse1;
+  return k == c10::DispatchKey::CPU || k == c10::DispatchKey::CUDA;
 }
 
 class TapState {
