@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import logging
+import os
 import subprocess
 import sys
 import time
@@ -125,6 +126,26 @@ def test_a_short_step_reads_the_share_of_the_last_complete_interval():
         pass
     first = wait.read()
     assert first is not None and wait.read() == first  # no runnable time in between
+    wait.close()
+
+
+@linux_schedstat
+def test_reads_closer_than_the_reading_interval_share_one_reading_of_the_files(monkeypatch):
+    listed = []
+    listdir = os.listdir
+    monkeypatch.setattr(host.os, "listdir", lambda path: listed.append(path) or listdir(path))
+    wait = host.CpuWait()
+    wait.read()
+    end = time.monotonic() + 0.05
+    while time.monotonic() < end:
+        pass
+    first = wait.read()
+    assert len(listed) == 2
+    # Steps a few µs apart (a launch-bound step on CPU) read the latest figure, not the files.
+    assert [wait.read() for _ in range(100)] == [first] * 100 and len(listed) == 2
+    time.sleep(2 * host._READ_EVERY_NS / 1e9)
+    wait.read()
+    assert len(listed) == 3
     wait.close()
 
 

@@ -9,6 +9,7 @@ hooks, as activation checkpointing's) is then outside the forward window.
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import pytest
@@ -208,3 +209,87 @@ def test_a_step_the_resolver_drops_gives_back_the_marks_of_its_tap_records(monke
     assert s.flush(10)
     assert s.errors >= 1 and len(s.history()) == 1  # dropped, counted
     assert timer.marks_in_use() == 0  # the cut's four marks came back
+
+
+def _native_calls_per_sdpa(q: torch.Tensor, calls: int) -> list[list[str]]:
+    """`calls` SDPA calls from one line in one forward, then their backward: the C functions
+    each call made, as sys.setprofile sees them."""
+    seen: list[list[str]] = []
+
+    def profile(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "c_call" and frame.f_code is not own:  # not this loop's append
+            seen[-1].append(getattr(arg, "__name__", str(arg)))
+
+    own = sys._getframe().f_code
+
+    outs = []
+    for _ in range(calls):
+        seen.append([])
+        sys.setprofile(profile)
+        out = F.scaled_dot_product_attention(q, q, q, is_causal=True)
+        sys.setprofile(None)
+        outs.append(out)
+    sum(o.sum() for o in outs).backward()
+    return seen
+
+
+def test_a_learned_call_the_tap_times_is_one_native_call_from_the_wrapper():
+    s = fadiag.attach(port=0, tap="on", native="on")
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    for _ in range(3):
+        per_call = _native_calls_per_sdpa(q, 3)  # a step's forward, then its backward
+        first = _native_calls_per_sdpa(q, 1)  # a micro-batch: a forward after a backward
+        fadiag.step()
+    assert s.flush(10)
+    # Learned calls from a known line are handed whole to C++ (FastBegin.call): no Tap.enter,
+    # no Recorder.begin; a forward after a backward opens its micro-batch in Python first.
+    assert all(names[0] == "call" and not {"enter", "begin", "exit"} & set(names)
+               for names in per_call)
+    assert {"call", "enter", "begin", "exit"} <= set(first[0])
+    last = s.history()[-1]
+    assert len(last.calls) == 4
+    assert all(c.forward_seconds > 0 and c.backward_seconds > 0 for c in last.calls)
+    sites = [c.site for c in last.calls]
+    # One line's calls by ordinal in each micro-batch, as Python's path names them.
+    assert [site.rpartition("#")[2] for site in sites] == ["0", "1", "2", "0"]
+    assert all("test_linked.py" in site for site in sites) and len(set(sites)) == 3
+    assert [c.site for c in s.history()[-2].calls] == sites
+    assert s.recorder.depth == 0 and s.recorder.tap.counts()["unrecorded"] == 0
+
+
+def _attend(q: torch.Tensor, **kwargs: object) -> torch.Tensor:
+    return F.scaled_dot_product_attention(q, q, q, **kwargs)  # one line: one call site
+
+
+def test_an_error_raised_inside_a_native_whole_call_reaches_the_caller_unchanged():
+    s = fadiag.attach(port=0, tap="on", native="on")
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    for _ in range(2):
+        _attend(q).sum().backward()
+        fadiag.step()
+    assert s.recorder._fast_call is not None
+    names: list[str] = []
+
+    def profile(frame, event, arg):  # type: ignore[no-untyped-def]
+        if event == "c_call" and frame.f_code.co_name == "fadiag_attention":
+            names.append(getattr(arg, "__name__", str(arg)))
+
+    first = _attend(q)
+    # `scale` is not part of a signature: the call takes the native path from a known line,
+    # and SDPA's own argument check raises inside it.
+    sys.setprofile(profile)
+    try:
+        with pytest.raises(TypeError, match="scale"):
+            _attend(q, scale="wide")
+    finally:
+        sys.setprofile(None)
+    assert names == ["call"]  # raised inside the native whole call
+    assert s.recorder.depth == 0
+    out = _attend(q)  # the wrapper's state is whole again
+    (first + out).sum().backward()
+    fadiag.step()
+    assert s.flush(10)
+    last = s.history()[-1]
+    assert [c.backward_seconds > 0 for c in last.calls] == [True, True]  # the failed call: none
+    assert s.errors == 0
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q))

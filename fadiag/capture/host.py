@@ -7,12 +7,17 @@ time on a CPU, time runnable on a run queue); where they are missing nothing is 
 from __future__ import annotations
 
 import os
+import time
 
 _TASKS = "/proc/self/task"
 _MIN_INTERVAL_NS = 20_000_000
 """Runnable time (all threads) an interval needs before its share is taken: the kernel brings a
 running thread's figures up to date at scheduler ticks (1-10 ms), so a sub-millisecond step
 alone often reads no change at all."""
+_READ_EVERY_NS = 5_000_000
+"""Wall time between two readings of the files, at most: a reading costs ~30 µs (a listing and
+one file per thread), and no interval ends sooner than _MIN_INTERVAL_NS of runnable time
+anyway, so the steps between two readings share the latest interval's figure."""
 
 
 class CpuWait:
@@ -35,6 +40,7 @@ class CpuWait:
         self._last: dict[str, tuple[int, int]] = {}
         self._started = False
         self._share: float | None = None
+        self._read_ns = 0
         self.available = os.path.isdir(_TASKS)
 
     def read(self) -> float | None:
@@ -44,6 +50,10 @@ class CpuWait:
         missing."""
         if not self.available:
             return None
+        now_ns = time.monotonic_ns()
+        if self._started and now_ns - self._read_ns < _READ_EVERY_NS:
+            return self._share
+        self._read_ns = now_ns
         if os.getpid() != self._pid:  # a forked child: the cached files are the parent's threads
             self.close()
             self._pid, self._started, self._share = os.getpid(), False, None

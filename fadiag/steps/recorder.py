@@ -66,6 +66,9 @@ class Recorder(StepBoundaries):
         self._config_read_at = 0.0
         self._fast: Any = None
         """C++ start of steady-state SDPA calls on the one native timer (NativeTimer.fast_begin)."""
+        self._fast_call: Any = None
+        """Its whole call (`FastBegin.call`) where the tap shares that timer: set once a linked
+        signature is learned, None otherwise."""
         self._fast_timer: Any = None
         self._fast_op: AttentionOp | None = None
         self._lock = threading.Lock()
@@ -92,7 +95,7 @@ class Recorder(StepBoundaries):
     def _next_step(self) -> None:
         if (self._fast is not None and len(self.devices.native_timers) > 1
                 and not self._sole_native(self._fast_timer)):
-            self._fast = self._fast_timer = None  # it watches a single timer's counter
+            self._fast = self._fast_timer = self._fast_call = None  # it watches one timer's counter
         if time.monotonic() - self._config_read_at >= _CONFIG_EVERY_S:
             self._read_config()
 
@@ -114,6 +117,12 @@ class Recorder(StepBoundaries):
             if tap is not None:
                 if tap.capturing:  # a CUDA graph capture: no marks; the tap counts its replays
                     return original(*args, **kwargs)
+                whole = rec._fast_call
+                if whole is not None and op is rec._fast_op and rec.measuring:
+                    # The steady state of a call the tap times: one C++ call does it all.
+                    out = whole(original, args, kwargs, rec)
+                    if out is not NotImplemented:
+                        return out
                 tap.enter()  # this call is Python's to measure: the fused op passes the tap
             try:
                 rec.calls_since_boundary += 1
@@ -227,7 +236,7 @@ class Recorder(StepBoundaries):
         self._tap_timers = [] if tap is None else [
             t for t in tap.timers.values() if t not in self.devices.native_timers]
         self.signatures.clear()
-        self._fast = self._fast_timer = self._fast_op = None
+        self._fast = self._fast_timer = self._fast_op = self._fast_call = None
 
     def _remember(self, op: AttentionOp, args: tuple[Any, ...], kwargs: dict[str, Any],
                   sig: Signature, timer: Any) -> None:
@@ -237,22 +246,24 @@ class Recorder(StepBoundaries):
         if not getattr(timer, "native", False):
             return  # Python's marks: its own path
         if not self._sole_native(timer):
-            self._fast = self._fast_timer = None
+            self._fast = self._fast_timer = self._fast_call = None
             return
         if self._fast_op is None:
             self._fast_op = op
         if op is not self._fast_op:
             return
         if self._fast_timer is not timer:
-            self._fast_timer = timer
+            self._fast_timer, self._fast_call = timer, None
             # skip=2: from begin's frame past the wrapper's to its caller's, as _site does.
             sites = self.sites
             self._fast = timer.fast_begin(
                 sites.internal, sites.locations, sites.counts, Call, 2, self.max_calls)
         if self._fast is not None:
             tap = self.tap
-            self._fast.remember(args, kwargs, sig,
-                                bool(sig.tapped and tap is not None and tap.shares(timer)))
+            linked = bool(sig.tapped and tap is not None and tap.shares(timer))
+            self._fast.remember(args, kwargs, sig, linked)
+            if linked:
+                self._fast_call = self._fast.call
 
     def _sole_native(self, timer: Any) -> bool:
         """Whether native `timer` is the only native timer that marks anything: the fast path

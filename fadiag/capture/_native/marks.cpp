@@ -44,6 +44,8 @@
 
 namespace fadiag {
 int64_t tap_link();  // tap.cpp: the current wrapped call is the tap's to time; its link number
+void tap_enter();    // tap.cpp: a call of the Python wrapper begins (Tap.enter)
+void tap_exit();     // and ends (Tap.exit)
 }
 
 namespace {
@@ -280,45 +282,71 @@ class FastBegin {
         seen_name_("backward_starts_seen"),
         sig_name_("sig"),
         fwd0_name_("fwd0"),
-        link_name_("link") {}
+        link_name_("link"),
+        calls_name_("calls"),
+        backward_seen_name_("backward_seen"),
+        depth_name_("depth"),
+        aborted_name_("aborted"),
+        on_error_name_("_on_error") {}
 
   // The call's record (already in `calls`, its forward start mark taken), or None.
   py::object begin(py::tuple args, py::dict kwargs, py::list calls, bool backward_seen) {
-    if (!c10::GradMode::is_enabled() || backward_seen ||
-        static_cast<int64_t>(PyList_GET_SIZE(calls.ptr())) >= max_calls_) {
-      return py::none();
-    }
-    if (torch::autograd::get_current_graph_task_id() != -1) return py::none();  // a recomputation
-    if (py::cast<int64_t>(timer_.attr(seen_name_)) != pool_->backward_starts()) {
-      return py::none();  // a backward ran since the last call: Python opens a new phase
-    }
-    // The key is built in one buffer kept between calls: no allocation on the steady path.
-    scratch_.v.clear();
-    if (!make_key(args, kwargs, scratch_)) return py::none();
-    auto found = sigs_.find(scratch_);
-    if (found == sigs_.end()) return py::none();
-    // A stream a CUDA graph captures takes no mark: Python counts the call (the tap, where it
-    // times the call, sees the capture itself).
-    if (!found->second.linked && pool_->capturing()) return py::none();
-    py::object loc = location();
-    if (!loc) return py::none();
-    // Nothing was changed above; from here on the call is recorded.
-    PyObject* count = PyDict_GetItem(site_counts_.ptr(), loc.ptr());  // borrowed
-    const int64_t n = count == nullptr ? 0 : PyLong_AsLongLong(count);
-    site_counts_[loc] = py::int_(n + 1);
-    py::object site = site_name(loc, n);
-    const Known& known = found->second;
-    py::object call = call_class_(
-        site, timer_, false, py::none(), py::none(),
-        known.linked ? py::object(py::none()) : py::object(py::make_tuple(args[0], args[1], args[2])));
-    call.attr(sig_name_) = known.sig;
-    calls.append(call);
-    if (known.linked) {
+    const Known* known = find(args, kwargs, calls, backward_seen, skip_);
+    if (known == nullptr) return py::none();
+    py::object call = record(*known, args, calls);
+    if (known->linked) {
       call.attr(link_name_) = py::int_(fadiag::tap_link());
     } else {
       call.attr(fwd0_name_) = py::int_(pool_->take_marked());
     }
     return call;
+  }
+
+  // The whole steady-state call of a signature the dispatcher tap times, called by the wrapper
+  // in place of Tap.enter, Recorder.begin, `original` and Tap.exit: the call recorded and linked,
+  // `original(*args, **kwargs)` called and its result returned. NotImplemented where the call is
+  // not one it takes (Python's path then runs), before anything is changed.
+  py::object call(py::handle original, py::tuple args, py::dict kwargs, py::handle recorder) {
+    const Known* known = nullptr;
+    py::list calls;
+    try {
+      calls = recorder.attr(calls_name_);
+      const bool backward_seen = PyObject_IsTrue(recorder.attr(backward_seen_name_).ptr()) == 1;
+      known = find(args, kwargs, calls, backward_seen, skip_ - 1);  // no Recorder.begin frame
+    } catch (py::error_already_set&) {
+      known = nullptr;  // Python's path meets the same failure, and counts it
+    }
+    if (known == nullptr || !known->linked) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+    fadiag::tap_enter();
+    struct Exit {
+      ~Exit() { fadiag::tap_exit(); }
+    } exit;
+    py::object call;
+    try {
+      call = record(*known, args, calls);
+      call.attr(link_name_) = py::int_(fadiag::tap_link());
+    } catch (py::error_already_set& e) {
+      // As Recorder.begin's own failure: counted and logged once, the call made unmeasured.
+      if (call && PyList_GET_SIZE(calls.ptr()) > 0 &&
+          PyList_GET_ITEM(calls.ptr(), PyList_GET_SIZE(calls.ptr()) - 1) == call.ptr()) {
+        PyList_SetSlice(calls.ptr(), PyList_GET_SIZE(calls.ptr()) - 1, PyList_GET_SIZE(calls.ptr()),
+                        nullptr);
+      }
+      call = py::object();
+      recorder.attr(on_error_name_)("recorder.begin", e.value());
+    }
+    // Recorder.depth, as the Python path keeps it: a wrapped call made inside this one passes.
+    recorder.attr(depth_name_) = py::int_(1);
+    PyObject* out = PyObject_Call(original.ptr(), args.ptr(), kwargs.ptr());
+    PyObject *type, *value, *trace;
+    PyErr_Fetch(&type, &value, &trace);  // kept across the attribute writes below
+    recorder.attr(depth_name_) = py::int_(0);
+    if (out == nullptr) {
+      if (call) call.attr(aborted_name_) = py::bool_(true);
+      PyErr_Restore(type, value, trace);
+      throw py::error_already_set();
+    }
+    return py::reinterpret_steal<py::object>(out);
   }
 
   // Python found `sig` for these arguments: later calls like them take the fast path (`linked`:
@@ -331,6 +359,52 @@ class FastBegin {
   int64_t size() const { return static_cast<int64_t>(sigs_.size()); }
 
  private:
+  struct Known {
+    py::object sig;
+    bool linked = false;
+  };
+
+  // The learned signature of a steady-state call (grad on, no recomputation, no backward since
+  // the last call, under the per-step cap, its site known), or null: then nothing was changed.
+  // `skip`: frames from the calling one to the wrapper's caller.
+  const Known* find(const py::tuple& args, const py::dict& kwargs, const py::list& calls,
+                    bool backward_seen, int64_t skip) {
+    if (!c10::GradMode::is_enabled() || backward_seen ||
+        static_cast<int64_t>(PyList_GET_SIZE(calls.ptr())) >= max_calls_) {
+      return nullptr;
+    }
+    if (torch::autograd::get_current_graph_task_id() != -1) return nullptr;  // a recomputation
+    if (py::cast<int64_t>(timer_.attr(seen_name_)) != pool_->backward_starts()) {
+      return nullptr;  // a backward ran since the last call: Python opens a new phase
+    }
+    // The key is built in one buffer kept between calls: no allocation on the steady path.
+    scratch_.v.clear();
+    if (!make_key(args, kwargs, scratch_)) return nullptr;
+    auto found = sigs_.find(scratch_);
+    if (found == sigs_.end()) return nullptr;
+    // A stream a CUDA graph captures takes no mark: Python counts the call (the tap, where it
+    // times the call, sees the capture itself).
+    if (!found->second.linked && pool_->capturing()) return nullptr;
+    loc_ = location(skip);
+    if (!loc_) return nullptr;
+    return &found->second;
+  }
+
+  // The call's Python record, appended to `calls`, its site counted (`find` found its location).
+  py::object record(const Known& known, const py::tuple& args, py::list& calls) {
+    py::object loc = std::move(loc_);
+    PyObject* count = PyDict_GetItem(site_counts_.ptr(), loc.ptr());  // borrowed
+    const int64_t n = count == nullptr ? 0 : PyLong_AsLongLong(count);
+    site_counts_[loc] = py::int_(n + 1);
+    py::object site = site_name(loc, n);
+    py::object call = call_class_(
+        site, timer_, false, py::none(), py::none(),
+        known.linked ? py::object(py::none()) : py::object(py::make_tuple(args[0], args[1], args[2])));
+    call.attr(sig_name_) = known.sig;
+    calls.append(call);
+    return call;
+  }
+
   // "file:line#n", the site of the n-th call from `loc` in this pass, as Recorder._site names it;
   // each string made once per location and ordinal (a step's calls repeat them every pass).
   py::object site_name(const py::object& loc, int64_t n) {
@@ -424,10 +498,10 @@ class FastBegin {
 
   // The caller's "file:line" as Recorder._site finds it (the first frame outside torch and
   // fadiag), if both lookups are cached; null otherwise.
-  py::object location() const {
+  py::object location(int64_t skip) const {
     PyFrameObject* frame = PyEval_GetFrame();  // borrowed: the frame that called this
     Py_XINCREF(frame);
-    for (int64_t i = 0; i < skip_ && frame != nullptr; ++i) {
+    for (int64_t i = 0; i < skip && frame != nullptr; ++i) {
       PyFrameObject* back = PyFrame_GetBack(frame);
       Py_DECREF(frame);
       frame = back;
@@ -467,11 +541,9 @@ class FastBegin {
   int64_t skip_;
   int64_t max_calls_;
   static constexpr int64_t kSiteNames = 4096;  // ordinals per location kept as strings, at most
-  struct Known {
-    py::object sig;
-    bool linked = false;
-  };
-  py::str seen_name_, sig_name_, fwd0_name_, link_name_;
+  py::str seen_name_, sig_name_, fwd0_name_, link_name_, calls_name_, backward_seen_name_,
+      depth_name_, aborted_name_, on_error_name_;
+  py::object loc_;  // the location `find` found, for `record`
   std::unordered_map<FastKey, Known, FastKeyHash> sigs_;
   FastKey scratch_;
   // Location string (pointer) -> (the string, its sites by ordinal).
@@ -527,6 +599,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<Marks&, pybind11::object, const std::string&, pybind11::dict,
                           pybind11::dict, pybind11::dict, pybind11::object, int64_t, int64_t>())
       .def("begin", &FastBegin::begin)
+      .def("call", &FastBegin::call)
       .def("remember", &FastBegin::remember)
       .def("size", &FastBegin::size);
 #endif

@@ -771,6 +771,9 @@ int64_t tap_link() {
   return t_link;
 }
 
+void tap_enter() { Tap::enter(); }
+void tap_exit() { Tap::exit(); }
+
 void bind_tap(py::module_& m) {
   m.attr("tap") = true;
   py::class_<Batch>(m, "TapBatch")
@@ -805,6 +808,8 @@ void bind_tap(py::module_& m) {
 #else
 
 int64_t tap_link() { return 0; }  // never called: no signature is linked without the tap
+void tap_enter() {}
+void tap_exit() {}
 
 void bind_tap(pybind11::module_& m) { m.attr("tap") = false; }
 
