@@ -7,7 +7,7 @@ each call's forward and backward as fadiag measured it beside the CUPTI device t
 that call ran (in call order), the GPU's busy fraction over those steps (kernel time over wall
 time), and for FlexAttention the kernels of one backward in device order with their gaps.
 
-    python benchmarks/windows.py [--out windows.json] [--only checkpointing,compiled,flex,hf,floor,gpu_bound,apart] [--batches 2,4]
+    python benchmarks/windows.py [--out windows.json] [--only checkpointing,compiled,flex,hf,floor,gpu_bound,apart,blocks] [--batches 2,4]
 
 Cases: an 8-layer GPT with and without non-reentrant checkpointing at two sizes (one that keeps
 the GPU waiting on the host, one that does not); the Llama-style model of benchmarks/compiled.py
@@ -15,7 +15,9 @@ compiled at B=2 and B=4 (`--batches`); `torch.compile(flex_attention)` at S=2048
 transformers), benchmarks/hf_checkpointing.py's HF Llama with and without checkpointing; with
 `floor`, the least a window holds: two native marks back to back on a busy stream; with
 `gpu_bound`, benchmarks/overhead.py's GPU-bound GPT (D=64); with `apart`, that GPT measured by
-fadiag and by CUPTI in separate steps (neither disturbs the other). `cupti_ratio`: the profiled steps'
+fadiag and by CUPTI in separate steps (neither disturbs the other); with `blocks`, overhead.py's own
+GPU-bound model attached and detached in blocks as overhead.py does, every step's ratio and flags
+with its place in its block. `cupti_ratio`: the profiled steps'
 backward ops over their forward ops, as CUPTI times their kernels.
 """
 
@@ -144,12 +146,12 @@ def backward_order(calls: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return recomputed if recomputed else carriers[::-1]
 
 
-def checkpointing(layers: int, dim: int, heads: int, batch: int, seq: int, mode: str | None) -> dict[str, Any]:
+def gpt_step(layers: int, dim: int, heads: int, batch: int, seq: int, mode: str | None = None):
+    """tests/models.py's GPT in bf16, AdamW, a batch of random tokens: its training step."""
     torch.manual_seed(0)
     model = GPT(layers=layers, dim=dim, heads=heads, vocab=512, checkpointing=mode).cuda().bfloat16()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     tokens = torch.randint(0, 512, (batch, seq), device="cuda")
-    session = fadiag.attach(**{"exporter.enabled": False})
 
     def step() -> None:
         logits = model(tokens)
@@ -157,6 +159,12 @@ def checkpointing(layers: int, dim: int, heads: int, batch: int, seq: int, mode:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
+    return step
+
+
+def checkpointing(layers: int, dim: int, heads: int, batch: int, seq: int, mode: str | None) -> dict[str, Any]:
+    step = gpt_step(layers, dim, heads, batch, seq, mode)
+    session = fadiag.attach(**{"exporter.enabled": False})
     out = measured(session, step, 4)
     out.update({"mode": mode or "none", "size": {"layers": layers, "dim": dim, "heads": heads, "batch": batch, "seq": seq}})
     return out
@@ -166,17 +174,7 @@ def apart(layers: int, dim: int, heads: int, batch: int, seq: int, steps: int = 
     """fadiag's per-call medians over `steps` unprofiled steps, then CUPTI's over steps profiled
     without fadiag attached, on one GPT: neither measurement disturbs the other (the profiler's
     host cost can make windows host-bound; fadiag's marks are not in CUPTI's steps)."""
-    torch.manual_seed(0)
-    model = GPT(layers=layers, dim=dim, heads=heads, vocab=512).cuda().bfloat16()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    tokens = torch.randint(0, 512, (batch, seq), device="cuda")
-
-    def step() -> None:
-        logits = model(tokens)
-        F.cross_entropy(logits.float().view(-1, 512), tokens.view(-1)).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = gpt_step(layers, dim, heads, batch, seq)
     session = fadiag.attach(**{"exporter.enabled": False})
     try:
         for _ in range(4 + steps):
@@ -185,21 +183,74 @@ def apart(layers: int, dim: int, heads: int, batch: int, seq: int, steps: int = 
         step_ratios = [r.ratio for r in session.history()[-steps:] if r.ratio is not None]
     finally:
         fadiag.detach()
+    out = cupti_of(step)
+    f_ms = statistics.median(c["forward_ms"] for c in calls)
+    b_ms = statistics.median(c["backward_ms"] for c in calls)
+    out.update({"size": {"layers": layers, "dim": dim, "heads": heads, "batch": batch, "seq": seq},
+                "impl": sorted({c["impl"] for c in calls}), "fadiag_forward_ms": f_ms,
+                "fadiag_backward_ms": b_ms, "fadiag_ratio": b_ms / f_ms,
+                "fadiag_step_ratios": [min(step_ratios, default=None), max(step_ratios, default=None)]})
+    return out
+
+
+def cupti_of(step) -> dict[str, Any]:
+    """CUPTI's medians of the fused ops' device time over three profiled steps (fadiag detached)."""
     for _ in range(3):
         step()
     prof, wall = profiled(step, 3)
     ops = sdpa_ops(prof)
     fwd = [o["device_ms"] for o in ops if not o["op"].endswith("_backward")]
     bwd = [o["device_ms"] for o in ops if o["op"].endswith("_backward")]
-    f_ms = statistics.median(c["forward_ms"] for c in calls)
-    b_ms = statistics.median(c["backward_ms"] for c in calls)
-    return {"size": {"layers": layers, "dim": dim, "heads": heads, "batch": batch, "seq": seq},
-            "impl": sorted({c["impl"] for c in calls}), "fadiag_forward_ms": f_ms,
-            "fadiag_backward_ms": b_ms, "fadiag_ratio": b_ms / f_ms,
-            "fadiag_step_ratios": [min(step_ratios, default=None), max(step_ratios, default=None)],
-            "cupti_forward_ms": statistics.median(fwd), "cupti_backward_ms": statistics.median(bwd),
+    return {"cupti_forward_ms": statistics.median(fwd), "cupti_backward_ms": statistics.median(bwd),
             "cupti_ratio": statistics.median(bwd) / statistics.median(fwd),
             "cupti_ops": sorted({o["op"] for o in ops}), "gpu_busy_fraction": busy_fraction(prof, wall)}
+
+
+def in_blocks(name: str = "gpu_bound", blocks: int = 12, steps: int = 20) -> dict[str, Any]:
+    """overhead.py's own model, attached as overhead.py attaches it: `steps` plain steps, then
+    `steps` + 1 with a session attached, `blocks` times. Every attached step's ratio, its calls'
+    windows, the flags it raised and its place in the block, the allocator's device allocations
+    and frees in each half; then CUPTI's ratio on plain steps."""
+    import overhead
+
+    _, step = overhead.make(name)
+    for _ in range(10):
+        step()
+    rows: list[dict[str, Any]] = []
+    allocs: list[dict[str, int]] = []
+
+    def device_allocs() -> tuple[int, int]:
+        m = torch.cuda.memory_stats()
+        return m.get("num_device_alloc", 0), m.get("num_device_free", 0)
+
+    for b in range(blocks):
+        a0 = device_allocs()
+        for _ in range(steps):
+            step()
+        a1 = device_allocs()
+        session = fadiag.attach(port=0)
+        try:
+            for _ in range(steps + 1):
+                step()
+            a2 = device_allocs()
+            assert session.flush(60)
+            for i, r in enumerate(session.history()):
+                rows.append({
+                    "block": b, "in_block": i, "ratio": r.ratio,
+                    "flags": [[f.rule, f.severity, round(f.value, 3)] for f in r.flags],
+                    "calls": [[round(c.forward_seconds * 1e3, 4), round(c.backward_seconds * 1e3, 4),
+                               c.host_bound, c.probe, c.impl] for c in r.calls]})
+        finally:
+            fadiag.detach()
+        allocs.append({"plain_alloc": a1[0] - a0[0], "plain_free": a1[1] - a0[1],
+                       "fadiag_alloc": a2[0] - a1[0], "fadiag_free": a2[1] - a1[1]})
+    out = cupti_of(step)
+    ratios = [r["ratio"] for r in rows if r["ratio"] is not None]
+    flagged = [r for r in rows if any(f[0] == "ratio" for f in r["flags"])]
+    out.update({"model": name, "steps": rows, "allocator": allocs,
+                "ratio_min_median_max": [min(ratios), statistics.median(ratios), max(ratios)] if ratios else None,
+                "ratio_flagged_steps": [[r["block"], r["in_block"], r["ratio"], r["flags"]] for r in flagged]})
+    return out
 
 
 def compiled(batch: int) -> dict[str, Any]:
@@ -359,6 +410,12 @@ def main() -> None:
     if "apart" in only:
         result["apart"] = apart(12, 1024, 16, 8, 2048)
         print(json.dumps(result["apart"]), flush=True)
+        save()
+    if "blocks" in only:
+        r = result["blocks"] = in_blocks()
+        print(json.dumps({k: r[k] for k in ("model", "cupti_forward_ms", "cupti_backward_ms", "cupti_ratio",
+                                            "gpu_busy_fraction", "ratio_min_median_max", "ratio_flagged_steps",
+                                            "allocator")}), flush=True)
         save()
     if "gpu_bound" in only:
         # overhead.py's GPU-bound GPT (12 layers, D=64 on cuDNN): its kernels' own ratio.
