@@ -25,8 +25,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import fadiag  # noqa: E402
 from marks_first import marks_first  # noqa: E402
+
+import fadiag  # noqa: E402
 
 
 class RMSNorm(nn.Module):

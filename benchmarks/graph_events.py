@@ -135,7 +135,7 @@ def main() -> None:
         result["event_nodes_cost"] = result["replay_wall_s"]["with_events"] / result["replay_wall_s"]["plain"] - 1
     except Exception as e:  # the result either way is the finding
         result["error"] = f"{type(e).__name__}: {e}"
-    result["eager_events"] = dict(zip(("forward_s", "backward_s"), eager(q, k, v, g_out, 10)))
+    result["eager_events"] = dict(zip(("forward_s", "backward_s"), eager(q, k, v, g_out, 10), strict=True))
     print(json.dumps(result, indent=1))
 
 

@@ -25,11 +25,11 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import fadiag  # noqa: E402
 from marks_first import marks_first  # noqa: E402
+
+import fadiag  # noqa: E402
 from fadiag.rules.engine import ratio_calls  # noqa: E402
 from fadiag.steps.records import ratio, summarize  # noqa: E402
-
 
 MARKS = {"tap": {}, "native": {"native": "on", "tap": "off"}, "python": {"native": "off", "tap": "off"}}
 

@@ -27,10 +27,10 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import overhead  # noqa: E402
+from marks_first import marks_first  # noqa: E402
 from overhead import GPT, build, variant  # noqa: E402
 
 import fadiag  # noqa: E402
-from marks_first import marks_first  # noqa: E402
 
 PHASES = ("forward", "backward", "optimizer")
 # fadiag's pieces, timed where they run: (where to find the object, attribute). Not the site

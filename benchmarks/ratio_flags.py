@@ -33,8 +33,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import fadiag  # noqa: E402
 from marks_first import marks_first  # noqa: E402
+
+import fadiag  # noqa: E402
 from fadiag.cli.calibrate import measure  # noqa: E402
 from fadiag.config import Config  # noqa: E402
 from tests.models import GPT  # noqa: E402

@@ -37,8 +37,9 @@ from torch.autograd import DeviceType
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import fadiag  # noqa: E402
 from marks_first import marks_first  # noqa: E402
+
+import fadiag  # noqa: E402
 from tests.models import GPT, GpuBusy  # noqa: E402
 
 SDPA = "aten::_scaled_dot_product_"
@@ -118,13 +119,13 @@ def side_by_side(calls: list[dict[str, Any]], ops: list[dict[str, Any]]) -> dict
     fwd_ops = [o for o in ops if not o["op"].endswith("_backward")]
     bwd_ops = [o for o in ops if o["op"].endswith("_backward")]
     rows = [{"site": c["site"], "recompute": c["recompute"], "fadiag_forward_ms": c["forward_ms"],
-             "cupti_forward_ms": o["device_ms"]} for c, o in zip(calls, fwd_ops)]
+             "cupti_forward_ms": o["device_ms"]} for c, o in zip(calls, fwd_ops, strict=False)]
     by_step: dict[int, list[dict[str, Any]]] = {}
     for c in calls:
         by_step.setdefault(c["step"], []).append(c)
     bwd_calls = [c for s in sorted(by_step) for c in backward_order(by_step[s])]
     brows = [{"site": c["site"], "fadiag_backward_ms": c["backward_ms"], "cupti_backward_ms": o["device_ms"]}
-             for c, o in zip(bwd_calls, bwd_ops)]
+             for c, o in zip(bwd_calls, bwd_ops, strict=False)]
 
     return {"forward": rows, "backward": brows,
             "forward_vs_cupti_median": rel(rows, "fadiag_forward_ms", "cupti_forward_ms"),

@@ -189,7 +189,7 @@ def test_a_tapped_op_called_directly_is_measured_with_its_backward_and_result_un
     fadiag.step()
     assert s.flush(10)
     (call,) = s.last_step().calls
-    assert torch.equal(out, expected) and all(torch.equal(t.grad, g) for t, g in zip((q, k, v), grads))
+    assert torch.equal(out, expected) and all(torch.equal(t.grad, g) for t, g in zip((q, k, v), grads, strict=True))
     assert call.site == "compiled#0" and call.forward_seconds > 0 and call.backward_seconds > 0
 
 

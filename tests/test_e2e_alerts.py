@@ -30,8 +30,6 @@ import pytest
 from prometheus_client import CollectorRegistry, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.parser import text_string_to_metric_families
-
-from fadiag.export.prometheus import SEVERITIES
 from promstack import (
     ALERTMANAGER,
     CONTRACT,
@@ -49,7 +47,7 @@ from promstack import (
     wait_for,
 )
 
-from fadiag.export.prometheus import Histogram
+from fadiag.export.prometheus import SEVERITIES, Histogram
 
 pytestmark = [
     pytest.mark.e2e,

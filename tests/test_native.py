@@ -23,7 +23,6 @@ from fadiag.capture.device import CpuTimer, Devices, EventTimer, NativeTimer
 from tests.models import GPT, train
 from tests.native_marks import NEEDS_NATIVE
 
-
 pytestmark = NEEDS_NATIVE
 
 

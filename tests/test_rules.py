@@ -12,7 +12,6 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fadiag
-from fadiag.config import RulesConfig
 from fadiag.config.loader import load_config
 from fadiag.export.jsonl import read_run
 from fadiag.rules import baseline
@@ -563,8 +562,9 @@ def test_a_backward_turning_slow_under_an_open_info_episode_raises_a_warning_at_
     # ends. Its backward turning 1.5x slow (5x) must raise the warning the alert fires on, at
     # the first such step; back to healthy, the warning clears after CLEAR_AFTER steps and the
     # info episode is open again.
-    from fadiag.export.prometheus import Metrics
     from prometheus_client import CollectorRegistry
+
+    from fadiag.export.prometheus import Metrics
 
     rules = _rules(device="NVIDIA H200", backward_forward_ratio={"warmup_steps": 0})
     registry = CollectorRegistry()

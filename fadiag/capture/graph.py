@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import sys
-from types import FrameType
 from collections.abc import Callable
+from types import FrameType
 from typing import TYPE_CHECKING, Any
 
 import torch

@@ -6,6 +6,7 @@ time on a CPU, time runnable on a run queue); where they are missing nothing is 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -93,10 +94,8 @@ class CpuWait:
 
     def close(self) -> None:
         for fd in self._fds.values():
-            try:
+            with contextlib.suppress(OSError):
                 os.close(fd)
-            except OSError:
-                pass
         self._fds.clear()
         self._last = {}
         self._started, self._share = False, None

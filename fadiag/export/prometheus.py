@@ -17,13 +17,13 @@ from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, make_server
 
 from prometheus_client import CollectorRegistry, make_wsgi_app
-from prometheus_client.exposition import ThreadingWSGIServer
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
     Metric,
 )
+from prometheus_client.exposition import ThreadingWSGIServer
 
 from ..errors import FadiagError
 from ..steps.records import Flag, StepReport

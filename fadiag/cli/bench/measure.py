@@ -29,6 +29,7 @@ from .results import (
     FormulaCheck,
     MhaRow,
 )
+
 _SDPA = {
     "flash": "FLASH_ATTENTION",
     "cpu_flash": "FLASH_ATTENTION",

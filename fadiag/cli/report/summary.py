@@ -224,10 +224,8 @@ def episodes(steps: Sequence[StepReport], flags: Sequence[Flag],
             continue
         step = by_step.get(f.step)
         step_sites = step.sites() if step is not None else []
-        if f.site != TOTAL:
-            involved = [f.site]
-        else:
-            involved = [s.site for s in step_sites if _past(f, s)]
+        involved = ([f.site] if f.site != TOTAL
+                    else [s.site for s in step_sites if _past(f, s)])
         e = Episode(flag=f, sites=involved, total_sites=len(step_sites), tracked=tracked)
         open_[key] = e
         out.append(e)
