@@ -1,11 +1,13 @@
-"""Where the resolver thread's time goes, per step: its Python, function by function.
+"""Where the resolver thread's time goes, per step: its pieces, timed where they run.
 
-Runs `overhead.py`'s launch-bound GPT step (a small GPT on CPU) with a session attached, the
-resolver thread under cProfile, and prints the functions that took its time (their own time and
-with what they call, per step). cProfile's own cost inflates each figure (~2-4x); read them as
-shares. The resolver holds the GIL while it runs Python, and on a launch-bound step the training
-thread and the autograd engine's thread want it back all the time (benchmarks/BENCHMARKS.md,
-runs 67-69), so this is the list to shorten. Usage:
+Runs `overhead.py`'s launch-bound GPT step (a small GPT on CPU) with a session attached and
+times, on the resolver thread, each piece of a step's resolution with the host clock (a thin
+wrapper per piece; nested pieces are inside their caller's figure): joining the tap's records,
+building the report, the rules, the sinks. Per step: the median over the steps, in µs. The
+resolver holds the GIL while it runs Python, and on a launch-bound step the training thread and
+the autograd engine's thread want it back all the time (benchmarks/BENCHMARKS.md, runs 67-69),
+so this is the list to shorten. (cProfile is not used: from Python 3.12 it profiles every
+thread at once.) Usage:
 
     python benchmarks/resolver_cost.py [--device cuda] [--steps 300]
 """
@@ -13,63 +15,79 @@ runs 67-69), so this is the list to shorten. Usage:
 from __future__ import annotations
 
 import argparse
-import cProfile
-import io
-import pstats
+import statistics
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import overhead  # noqa: E402
 from in_situ import phased_step, setup_device  # noqa: E402
 
 import fadiag  # noqa: E402
-from fadiag.steps import resolver  # noqa: E402
+from fadiag.steps import boundary, resolver  # noqa: E402
+
+# (owner, attribute, label): class attributes are timed for every instance; an instance's are
+# set once the session exists (the "rules" and "sinks" owners).
+PIECES = (
+    (resolver.Resolver, "_try_resolve", "whole resolution"),
+    (boundary.ClosedStep, "take_tap", "  the tap's records joined"),
+    (resolver.Resolver, "_report", "  the report"),
+    (resolver.Resolver, "_step_peak", "    allocator peak"),
+    ("rules", "evaluate", "    rules"),
+    ("sinks", "emit", "    sinks"),
+)
+
+
+def timed(times: list[float], inner: Any) -> Any:
+    clock = time.perf_counter
+
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        t0 = clock()
+        try:
+            return inner(*args, **kwargs)
+        finally:
+            times.append(clock() - t0)
+
+    return wrapper
 
 
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--top", type=int, default=30)
     args = p.parse_args()
     setup_device(args.device)
-    profile = cProfile.Profile()
-    run = resolver.Resolver._run
-
-    def profiled(self: resolver.Resolver) -> None:
-        profile.enable()
-        try:
-            run(self)
-        finally:
-            profile.disable()
-
-    resolver.Resolver._run = profiled  # type: ignore[method-assign]
-    import overhead
-
     model, step = phased_step(args.device)
     for _ in range(20):
         step([])
+    times: dict[str, list[float]] = {label: [] for _, _, label in PIECES}
+    for owner, attr, label in PIECES:
+        if not isinstance(owner, str):
+            setattr(owner, attr, timed(times[label], getattr(owner, attr)))
     session = fadiag.attach(port=0, **overhead.ATTACH_DEFAULTS)
+    owners = {"rules": session.rules, "sinks": session.sinks}
+    for owner, attr, label in PIECES:
+        if isinstance(owner, str):
+            setattr(owners[owner], attr, timed(times[label], getattr(owners[owner], attr)))
     try:
+        step([])  # signatures learned
         for _ in range(args.steps):
             step([])
         session.flush(60)
+        calls = statistics.median(len(r.calls) for r in session.history())
     finally:
         fadiag.detach()
-    out = io.StringIO()
-    stats = pstats.Stats(profile, stream=out)
-    stats.strip_dirs()
-    total = sum(tt for (_, _, tt, _, _) in stats.stats.values())  # type: ignore[attr-defined]
-    waits = sum(tt for (f, (_, _, tt, _, _)) in stats.stats.items()  # type: ignore[attr-defined]
-                if "acquire" in f[2] or "wait_window" in f[2])
-    print(f"device {args.device}, torch {torch.__version__}; {args.steps} launch-bound steps; "
-          f"resolver thread: {(total - waits) / args.steps * 1e6:.1f} us of Python a step under "
-          f"cProfile (waiting excluded)")
-    stats.sort_stats("tottime").print_stats(args.top)
-    stats.sort_stats("cumulative").print_stats(args.top)
-    print(out.getvalue())
+    print(f"device {args.device}, torch {torch.__version__}; {args.steps} launch-bound steps, "
+          f"{calls:g} calls a step; resolver thread, median µs a step (calls of the piece a step)")
+    resolved = len(times["whole resolution"]) or 1
+    for _, _, label in PIECES:
+        v = times[label]
+        if v:
+            print(f"  {label:32s} {statistics.median(v) * 1e6:8.1f}   x{len(v) / resolved:.2f}")
 
 
 if __name__ == "__main__":
