@@ -118,14 +118,20 @@ def test_host_clock_steps_carry_the_cpu_wait_read_at_their_boundary():
     assert waits[0] is None and all(w is not None and 0.0 <= w <= 1.0 for w in waits[1:]), waits
 
 
-def test_a_short_step_reads_the_share_of_the_last_complete_interval():
-    wait = host.CpuWait()
+def _one_interval(wait: host.CpuWait) -> float | None:
+    """Start an interval, run 50 ms on a CPU (more than the 20 ms an interval needs), read."""
     wait.read()
     end = time.monotonic() + 0.05
     while time.monotonic() < end:
         pass
-    first = wait.read()
-    assert first is not None and wait.read() == first  # no runnable time in between
+    return wait.read()
+
+
+def test_a_short_step_reads_the_share_of_the_last_complete_interval():
+    wait = host.CpuWait()
+    first = _one_interval(wait)
+    time.sleep(2 * host._READ_EVERY_NS / 1e9)  # the files read again, no runnable time since
+    assert first is not None and wait.read() == first
     wait.close()
 
 
@@ -135,11 +141,7 @@ def test_reads_closer_than_the_reading_interval_share_one_reading_of_the_files(m
     listdir = os.listdir
     monkeypatch.setattr(host.os, "listdir", lambda path: listed.append(path) or listdir(path))
     wait = host.CpuWait()
-    wait.read()
-    end = time.monotonic() + 0.05
-    while time.monotonic() < end:
-        pass
-    first = wait.read()
+    first = _one_interval(wait)
     assert len(listed) == 2
     # Steps a few µs apart (a launch-bound step on CPU) read the latest figure, not the files.
     assert [wait.read() for _ in range(100)] == [first] * 100 and len(listed) == 2
