@@ -158,10 +158,12 @@ class Resolver:
         """With native marks, wait for a backward window before resolving a step.
 
         While a hooked backward runs, the training thread is blocked in backward() with the GIL
-        released and the autograd engine needs none (the native hooks take none), so a step
-        resolved then takes nothing from training. Steps are resolved one at a time, each in an
-        open window: one that ran past its window would hold the GIL the training thread wants
-        back. The wait holds no GIL; it gives up _DEFER_S after the oldest pending step closed
+        released and the native hooks take none, so a step resolved then takes the least from
+        training: the autograd engine still takes the GIL to free tensors Python held, so on a
+        launch-bound step the resolver's Python costs about its own time wherever it runs
+        (benchmarks/gil_bursts.py; BENCHMARKS.md, runs 67-69). Steps are resolved one at a time,
+        each in an open window: one that ran past its window would hold the GIL the training
+        thread wants back. The wait holds no GIL; it gives up _DEFER_S after the oldest pending step closed
         (evaluation, the end of training, a long step), or when flush() or stop() asks.
         """
         t = self._window_timer()
