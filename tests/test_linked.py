@@ -293,3 +293,34 @@ def test_an_error_raised_inside_a_native_whole_call_reaches_the_caller_unchanged
     assert [c.backward_seconds > 0 for c in last.calls] == [True, True]  # the failed call: none
     assert s.errors == 0
     torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q))
+
+
+def test_a_fault_in_the_native_whole_call_leaves_the_call_to_python_and_training_goes_on():
+    s = fadiag.attach(port=0, tap="on", native="on")
+    q = torch.randn(1, 2, 16, 8, requires_grad=True)
+    for _ in range(2):
+        _attend(q).sum().backward()
+        fadiag.step()
+    rec = s.recorder
+    assert rec._fast_call is not None
+    first = _attend(q)
+    class Unreadable:
+        def __bool__(self) -> bool:
+            raise RuntimeError("recorder state broken")
+
+    # The native call cannot read the recorder's state: it hands the call to Python's path,
+    # whose failure is counted once, and the op's result comes back as without fadiag.
+    seen, rec.backward_seen = rec.backward_seen, Unreadable()
+    try:
+        out = _attend(q)
+    finally:
+        rec.backward_seen = seen
+    torch.testing.assert_close(out, F.scaled_dot_product_attention(q, q, q))
+    assert s.errors == 1 and rec.depth == 0
+    (first + out).sum().backward()
+    fadiag.step()
+    _attend(q).sum().backward()  # the next step is measured again
+    fadiag.step()
+    assert s.flush(10)
+    assert [len(r.calls) for r in s.history()[-2:]] == [1, 1]
+    assert s.history()[-1].calls[0].backward_seconds > 0

@@ -311,10 +311,14 @@ class FastBegin {
     const Known* known = nullptr;
     py::list calls;
     try {
-      calls = recorder.attr(calls_name_);
-      const bool backward_seen = PyObject_IsTrue(recorder.attr(backward_seen_name_).ptr()) == 1;
-      known = find(args, kwargs, calls, backward_seen, skip_ - 1);  // no Recorder.begin frame
-    } catch (py::error_already_set&) {
+      py::object held = recorder.attr(calls_name_);
+      const int backward_seen = PyObject_IsTrue(recorder.attr(backward_seen_name_).ptr());
+      if (backward_seen < 0) throw py::error_already_set();
+      if (PyList_Check(held.ptr())) {  // the recorder's own list, not a copy of something else
+        calls = py::reinterpret_borrow<py::list>(held);
+        known = find(args, kwargs, calls, backward_seen == 1, skip_ - 1);  // no begin frame
+      }
+    } catch (const std::exception&) {  // error_already_set too: the error is fetched, cleared
       known = nullptr;  // Python's path meets the same failure, and counts it
     }
     if (known == nullptr || !known->linked) return py::reinterpret_borrow<py::object>(Py_NotImplemented);
@@ -322,19 +326,24 @@ class FastBegin {
     struct Exit {
       ~Exit() { fadiag::tap_exit(); }
     } exit;
-    py::object call;
+    py::object call, failure;
     try {
       call = record(*known, args, calls);
       call.attr(link_name_) = py::int_(fadiag::tap_link());
     } catch (py::error_already_set& e) {
+      failure = e.value();
+    } catch (const std::exception& e) {
+      failure = py::reinterpret_steal<py::object>(
+          PyObject_CallFunction(PyExc_RuntimeError, "s", e.what()));
+    }
+    if (failure) {
       // As Recorder.begin's own failure: counted and logged once, the call made unmeasured.
-      if (call && PyList_GET_SIZE(calls.ptr()) > 0 &&
-          PyList_GET_ITEM(calls.ptr(), PyList_GET_SIZE(calls.ptr()) - 1) == call.ptr()) {
-        PyList_SetSlice(calls.ptr(), PyList_GET_SIZE(calls.ptr()) - 1, PyList_GET_SIZE(calls.ptr()),
-                        nullptr);
+      const Py_ssize_t n = PyList_GET_SIZE(calls.ptr());
+      if (call && n > 0 && PyList_GET_ITEM(calls.ptr(), n - 1) == call.ptr()) {
+        PyList_SetSlice(calls.ptr(), n - 1, n, nullptr);
       }
       call = py::object();
-      recorder.attr(on_error_name_)("recorder.begin", e.value());
+      recorder.attr(on_error_name_)("recorder.begin", failure);
     }
     // Recorder.depth, as the Python path keeps it: a wrapped call made inside this one passes.
     recorder.attr(depth_name_) = py::int_(1);
