@@ -261,13 +261,19 @@ def _attend(q: torch.Tensor, **kwargs: object) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, q, q, **kwargs)  # one line: one call site
 
 
-def test_an_error_raised_inside_a_native_whole_call_reaches_the_caller_unchanged():
+def _learned() -> tuple[fadiag.Session, torch.Tensor]:
+    """A session whose wrapper makes `_attend`'s calls whole in C++ (two steps learned them)."""
     s = fadiag.attach(port=0, tap="on", native="on")
     q = torch.randn(1, 2, 16, 8, requires_grad=True)
     for _ in range(2):
         _attend(q).sum().backward()
         fadiag.step()
     assert s.recorder._fast_call is not None
+    return s, q
+
+
+def test_an_error_raised_inside_a_native_whole_call_reaches_the_caller_unchanged():
+    s, q = _learned()
     names: list[str] = []
 
     def profile(frame, event, arg):  # type: ignore[no-untyped-def]
@@ -296,13 +302,8 @@ def test_an_error_raised_inside_a_native_whole_call_reaches_the_caller_unchanged
 
 
 def test_a_fault_in_the_native_whole_call_leaves_the_call_to_python_and_training_goes_on():
-    s = fadiag.attach(port=0, tap="on", native="on")
-    q = torch.randn(1, 2, 16, 8, requires_grad=True)
-    for _ in range(2):
-        _attend(q).sum().backward()
-        fadiag.step()
+    s, q = _learned()
     rec = s.recorder
-    assert rec._fast_call is not None
     first = _attend(q)
     class Unreadable:
         def __bool__(self) -> bool:
