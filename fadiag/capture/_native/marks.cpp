@@ -292,12 +292,14 @@ class FastBegin {
 
   // The call's record (already in `calls`, its forward start mark taken), or None.
   py::object begin(py::tuple args, py::dict kwargs, py::list calls, bool backward_seen) {
-    const Known* known = find(args, kwargs, calls, backward_seen, skip_);
+    py::object loc;
+    const Known* known = find(args, kwargs, calls, backward_seen, skip_, loc);
     if (known == nullptr) return py::none();
-    py::object call = record(*known, args, calls);
+    py::object call = record(*known, args, loc);
+    calls.append(call);
     if (known->linked) {
       call.attr(link_name_) = py::int_(fadiag::tap_link());
-    } else {
+    } else {  // the start mark last, as Python's path takes it
       call.attr(fwd0_name_) = py::int_(pool_->take_marked());
     }
     return call;
@@ -310,13 +312,14 @@ class FastBegin {
   py::object call(py::handle original, py::tuple args, py::dict kwargs, py::handle recorder) {
     const Known* known = nullptr;
     py::list calls;
+    py::object loc;
     try {
       py::object held = recorder.attr(calls_name_);
       const int backward_seen = PyObject_IsTrue(recorder.attr(backward_seen_name_).ptr());
       if (backward_seen < 0) throw py::error_already_set();
       if (PyList_Check(held.ptr())) {  // the recorder's own list, not a copy of something else
         calls = py::reinterpret_borrow<py::list>(held);
-        known = find(args, kwargs, calls, backward_seen == 1, skip_ - 1);  // no begin frame
+        known = find(args, kwargs, calls, backward_seen == 1, skip_ - 1, loc);  // no begin frame
       }
     } catch (const std::exception&) {  // error_already_set too: the error is fetched, cleared
       known = nullptr;  // Python's path meets the same failure, and counts it
@@ -328,8 +331,9 @@ class FastBegin {
     } exit;
     py::object call, failure;
     try {
-      call = record(*known, args, calls);
+      call = record(*known, args, loc);
       call.attr(link_name_) = py::int_(fadiag::tap_link());
+      calls.append(call);
     } catch (py::error_already_set& e) {
       failure = e.value();
     } catch (const std::exception& e) {
@@ -337,11 +341,8 @@ class FastBegin {
           PyObject_CallFunction(PyExc_RuntimeError, "s", e.what()));
     }
     if (failure) {
-      // As Recorder.begin's own failure: counted and logged once, the call made unmeasured.
-      const Py_ssize_t n = PyList_GET_SIZE(calls.ptr());
-      if (call && n > 0 && PyList_GET_ITEM(calls.ptr(), n - 1) == call.ptr()) {
-        PyList_SetSlice(calls.ptr(), n - 1, n, nullptr);
-      }
+      // As Recorder.begin's own failure: counted and logged once, the call made unmeasured (it
+      // is appended last, so a failure leaves nothing in `calls`).
       call = py::object();
       recorder.attr(on_error_name_)("recorder.begin", failure);
     }
@@ -375,10 +376,10 @@ class FastBegin {
   };
 
   // The learned signature of a steady-state call (grad on, no recomputation, no backward since
-  // the last call, under the per-step cap, its site known), or null: then nothing was changed.
-  // `skip`: frames from the calling one to the wrapper's caller.
+  // the last call, under the per-step cap, its site known: `loc`), or null: then nothing was
+  // changed. `skip`: frames from the calling one to the wrapper's caller.
   const Known* find(const py::tuple& args, const py::dict& kwargs, const py::list& calls,
-                    bool backward_seen, int64_t skip) {
+                    bool backward_seen, int64_t skip, py::object& loc) {
     if (!c10::GradMode::is_enabled() || backward_seen ||
         static_cast<int64_t>(PyList_GET_SIZE(calls.ptr())) >= max_calls_) {
       return nullptr;
@@ -395,14 +396,13 @@ class FastBegin {
     // A stream a CUDA graph captures takes no mark: Python counts the call (the tap, where it
     // times the call, sees the capture itself).
     if (!found->second.linked && pool_->capturing()) return nullptr;
-    loc_ = location(skip);
-    if (!loc_) return nullptr;
+    loc = location(skip);
+    if (!loc) return nullptr;
     return &found->second;
   }
 
-  // The call's Python record, appended to `calls`, its site counted (`find` found its location).
-  py::object record(const Known& known, const py::tuple& args, py::list& calls) {
-    py::object loc = std::move(loc_);
+  // The call's Python record, its site at `loc` counted; the caller appends it to the step's calls.
+  py::object record(const Known& known, const py::tuple& args, const py::object& loc) {
     PyObject* count = PyDict_GetItem(site_counts_.ptr(), loc.ptr());  // borrowed
     const int64_t n = count == nullptr ? 0 : PyLong_AsLongLong(count);
     site_counts_[loc] = py::int_(n + 1);
@@ -411,7 +411,6 @@ class FastBegin {
         site, timer_, false, py::none(), py::none(),
         known.linked ? py::object(py::none()) : py::object(py::make_tuple(args[0], args[1], args[2])));
     call.attr(sig_name_) = known.sig;
-    calls.append(call);
     return call;
   }
 
@@ -583,7 +582,6 @@ class FastBegin {
   static constexpr int64_t kSiteNames = 4096;  // ordinals per location kept as strings, at most
   py::str seen_name_, sig_name_, fwd0_name_, link_name_, calls_name_, backward_seen_name_,
       depth_name_, aborted_name_, on_error_name_;
-  py::object loc_;  // the location `find` found, for `record`
   std::unordered_map<FastKey, Known, FastKeyHash> sigs_;
   FastKey scratch_;
   // Location string (pointer) -> (the string, its sites by ordinal).
