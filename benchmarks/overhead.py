@@ -101,10 +101,18 @@ ATTACH_DEFAULTS: dict = {}
 """Configuration every fadiag variant attaches with (other scripts set e.g. a CPU device)."""
 
 
+def _nothing() -> None:
+    pass
+
+
 @contextlib.contextmanager
 def variant(name: str, model: nn.Module):
+    """Runs `name` around the block; yields what a timed block calls before its closing
+    synchronise: fadiag's flush, so the resolver's work for the block's steps is inside the block's
+    time, not left to the untimed detach (a 30-step block is ~0.25 s, and the resolver looks every
+    0.1 s and may defer a step 0.5 s for a backward window)."""
     if name == "plain":
-        yield
+        yield _nothing
     elif name.startswith("fadiag"):
         overrides: dict = {"port": 0, **ATTACH_DEFAULTS}
         if name == "fadiag_per_site":
@@ -137,7 +145,7 @@ def variant(name: str, model: nn.Module):
             # resolver thread never runs: the training thread's own cost alone.
             session.resolver.submit = release_marks
         try:
-            yield
+            yield lambda: session.flush(60)
         finally:
             MARKS_SEEN.setdefault(name, set()).update(session.devices.marks().values())
             tap = session.recorder.tap
@@ -148,17 +156,18 @@ def variant(name: str, model: nn.Module):
             fadiag.detach()
     elif name in ("floor_python", "floor_native"):
         with floor(name):
-            yield
+            yield _nothing
     elif name == "profiler":
         from torch.profiler import ProfilerActivity, profile
 
+        # Its trace is processed at the profile's exit, after the block's time.
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
-            yield
+            yield _nothing
     elif name == "sync_timers":
         for b in model.blocks:
             b.sync_timer = True
         try:
-            yield
+            yield _nothing
         finally:
             for b in model.blocks:
                 b.sync_timer = False
@@ -227,15 +236,17 @@ def sampled_every(name: str) -> int:
     return 10 if name == "fadiag_sampled" else int(name.rpartition("_")[2])
 
 
-def block_time(step, n: int, warm: int = 1) -> float:
+def block_time(step, n: int, warm: int = 1, settle=_nothing) -> float:
     # Untimed: what a variant does once per attach (server start, learning each call signature on
     # the first measured step) stays out; a production session attaches once.
     for _ in range(warm):
         step()
+    settle()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     for _ in range(n):
         step()
+    settle()
     torch.cuda.synchronize()
     return (time.perf_counter() - t0) / n
 
@@ -259,8 +270,8 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int) -> dic
         n = -(-steps // warm) * warm
         for _ in range(pairs):
             a = block_time(step, n, warm)
-            with variant(v, model):
-                b = block_time(step, n, warm)
+            with variant(v, model) as settle:
+                b = block_time(step, n, warm, settle)
             plain_t.append(a)
             var_t.append(b)
             ratios.append(b / a - 1.0)
