@@ -67,6 +67,26 @@ def test_the_default_setting_uses_the_native_marks_once_they_are_loaded(native_m
     assert session.last_step().backward_seconds > 0 and session.errors == 0
 
 
+def test_the_native_allocator_read_matches_torchs_memory_stats(native_marks_built):
+    """The resolver reads the allocator each step in C++ (three numbers, no GIL): the same
+    figures torch.cuda.memory_stats() gives, on the current device and on a named one."""
+    from fadiag.capture.timers import NativeTimer
+
+    timer = NativeTimer("cuda", native_marks_built, torch.cuda)
+    keep = torch.empty(3 << 20, device="cuda", dtype=torch.uint8)
+    del keep  # a peak above the current
+    held = torch.empty(1 << 20, device="cuda", dtype=torch.uint8)
+    torch.cuda.synchronize()
+    for device in (None, torch.cuda.current_device()):
+        stats = torch.cuda.memory_stats() if device is None else torch.cuda.memory_stats(device)
+        assert timer.memory_stats(device) == {
+            "current": stats["allocated_bytes.all.current"],
+            "peak": stats["allocated_bytes.all.peak"],
+            "allocated": stats["allocated_bytes.all.allocated"]}
+    assert timer.memory_stats()["current"] >= held.numel()
+    assert timer.memory_stats()["peak"] >= timer.memory_stats()["current"] + (2 << 20)
+
+
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="the fast path needs Python 3.11's frame API")
 def test_native_on_keeps_the_fast_path_beside_the_cpu_timer_the_tap_adopts(native_marks_built):
     """`native: on` with the tap: the CPU native timer is adopted for the tap's CPU records and

@@ -52,6 +52,14 @@ def test_gpt_training_records_one_call_per_layer_per_step():
             assert c.shape == (2, 2, 64, 64, 32)
             assert c.causal and c.dtype == "float32" and c.impl == "cpu_flash"
         assert r.forward_seconds == pytest.approx(sum(c.forward_seconds for c in r.calls))
+    # Every field where it belongs (the resolver builds records positionally).
+    c = history[-1].calls[0]
+    assert (c.dropout, c.kv_heads, c.layout, c.device, c.recompute, c.interceptor,
+            c.fallback_reason, c.probe, c.forward_only, c.sparsity, c.flex) == (
+        0.0, 2, "BHSD", "cpu", False, "sdpa", None, False, False, None, None)
+    assert c.kept_bytes == 2 * 2 * 64 * 32 * 4 + 2 * 2 * 64 * 4 and c.standard_bytes > c.kept_bytes
+    assert c.peak_bytes is None and c.forward_host_seconds == c.backward_host_seconds == 0.0
+    assert history[0].calls[0].probe  # the first step's call learned the signature
     # the same call site keeps its id every step
     assert [c.site for c in history[0].calls] == [c.site for c in history[-1].calls]
 

@@ -197,6 +197,9 @@ class NativeTimer:
         self._module = module
         self._marks = extension.Marks(kind == "cuda")
         self._fast_begin = getattr(extension, "FastBegin", None)  # None before Python 3.11
+        # CUDA's allocator figures read in C++ without the GIL (the resolver reads them each step).
+        self._allocator_stats = (getattr(extension, "allocator_stats", None)
+                                 if kind == "cuda" and module is torch.cuda else None)
         self.current_device = _current_device_reader(module)
         self._errors_seen = 0
         self.backward_starts_seen = 0
@@ -246,6 +249,12 @@ class NativeTimer:
         return new
 
     def memory_stats(self, device: int | None = None) -> dict[str, int] | None:
+        read = self._allocator_stats
+        if read is not None:
+            stats = read(-1 if device is None else device)
+            if stats is not None:
+                current, peak, allocated = stats
+                return {"current": current, "peak": peak, "allocated": allocated}
         return _allocator_stats(self._module, device) if self._module is not None else None
 
     def pool_size(self) -> int:

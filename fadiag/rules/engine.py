@@ -163,21 +163,27 @@ class Rules:
                     and wait > self.cfg.regression.max_cpu_wait else "")
             median = f" (fastest of the last {cfg.host_window_steps} steps{busy})"
         if total is not None and total > line and fwd >= cfg.min_forward_seconds and over:
-            s, r, _ = max(over, key=lambda x: x[1])
-            bands = [band_for(x, self.device) for x, y, _ in over]
-            calm = all(b is not None and b.covers(y) for b, (_, y, _) in zip(bands, over, strict=True))
-            out[("backward_forward_ratio", TOTAL)] = self._flag(
-                "backward_forward_ratio", total, line, report.step, TOTAL, s,
-                ratio_advice(total, line, s, r, len(over), len(sites), self.device, median),
-                severity="info" if calm else "warning", band=band_label(s, self.device))
+            calm = all(b is not None and b.covers(y)
+                       for b, y in ((band_for(x, self.device), y) for x, y, _ in over))
+            key = ("backward_forward_ratio", TOTAL)
+            severity = "info" if calm else "warning"
+            held = self._held(key, severity)
+            if held is None:
+                s, r, _ = max(over, key=lambda x: x[1])
+                held = self._flag(
+                    "backward_forward_ratio", total, line, report.step, TOTAL, s,
+                    ratio_advice(total, line, s, r, len(over), len(sites), self.device, median),
+                    severity=severity, band=band_label(s, self.device))
+            out[key] = held
         elif self.cfg.per_site:
             for s, r, t in over:
                 b = band_for(s, self.device)
-                out[("backward_forward_ratio", s.site)] = self._flag(
+                key = ("backward_forward_ratio", s.site)
+                severity = "info" if b is not None and b.covers(r) else "warning"
+                out[key] = self._held(key, severity) or self._flag(
                     "backward_forward_ratio", r, t, report.step, s.site, s,
                     ratio_advice(r, t, s, r, None, len(sites), self.device, median),
-                    severity="info" if b is not None and b.covers(r) else "warning",
-                    band=band_label(s, self.device))
+                    severity=severity, band=band_label(s, self.device))
         return out
 
     def _memory(self, report: StepReport, sites: list[SiteSummary]) -> dict[tuple[str, str], Flag]:
@@ -186,22 +192,32 @@ class Rules:
         under = [s for s in sites if s.memory_savings is not None and s.memory_savings < cfg.threshold]
         m = report.memory_savings
         if m is not None and m < cfg.threshold:
-            worst = min(under, key=lambda s: s.memory_savings or 0.0, default=None)
-            reason = next((c.fallback_reason for c in report.calls
-                           if worst is not None and c.site == worst.site and c.fallback_reason), None)
-            out[("memory_savings", TOTAL)] = self._flag(
-                "memory_savings", m, cfg.threshold, report.step, TOTAL, worst,
-                memory_advice(m, cfg.threshold, worst, reason, len(under), len(sites)),
-                severity="info" if under and all(map(memory_expected, under)) else "warning")
+            key = ("memory_savings", TOTAL)
+            severity = "info" if under and all(map(memory_expected, under)) else "warning"
+            held = self._held(key, severity)
+            if held is None:
+                worst = min(under, key=lambda s: s.memory_savings or 0.0, default=None)
+                reason = next((c.fallback_reason for c in report.calls if worst is not None
+                               and c.site == worst.site and c.fallback_reason), None)
+                held = self._flag(
+                    "memory_savings", m, cfg.threshold, report.step, TOTAL, worst,
+                    memory_advice(m, cfg.threshold, worst, reason, len(under), len(sites)),
+                    severity=severity)
+            out[key] = held
         elif self.cfg.per_site:
             for s in under:
                 assert s.memory_savings is not None
-                reason = next((c.fallback_reason for c in report.calls
-                               if c.site == s.site and c.fallback_reason), None)
-                out[("memory_savings", s.site)] = self._flag(
-                    "memory_savings", s.memory_savings, cfg.threshold, report.step, s.site, s,
-                    memory_advice(s.memory_savings, cfg.threshold, s, reason, None, len(sites)),
-                    severity="info" if memory_expected(s) else "warning")
+                key = ("memory_savings", s.site)
+                severity = "info" if memory_expected(s) else "warning"
+                held = self._held(key, severity)
+                if held is None:
+                    reason = next((c.fallback_reason for c in report.calls
+                                   if c.site == s.site and c.fallback_reason), None)
+                    held = self._flag(
+                        "memory_savings", s.memory_savings, cfg.threshold, report.step, s.site, s,
+                        memory_advice(s.memory_savings, cfg.threshold, s, reason, None, len(sites)),
+                        severity=severity)
+                out[key] = held
         for s, value, message in _unfused_flex(report, sites, cfg.threshold):
             site = s.site if self.cfg.per_site else TOTAL
             out.setdefault(("memory_savings", site), self._flag(
@@ -343,6 +359,14 @@ class Rules:
                          f"(timeout {cfg.timeout_seconds:.0f} s): the device or a collective it waits "
                          "on may be stuck — dump the stacks (py-spy dump) and check the other ranks"))
         return self._episodes.update(conditions, rules=("hang",), step=self._last_step + 1)
+
+    def _held(self, key: tuple[str, str], severity: str) -> Flag | None:
+        """The flag of the episode open at `key` when its condition holds again at the same
+        severity: Episodes keeps the flag that opened an episode and reads only the severity of
+        the ones after it, so the step's own (its advice, formatted) would go unread. Every step
+        of a healthy cuDNN job, or of a short sequence that keeps out + logsumexp, holds one."""
+        old = self.active.get(key)
+        return old if old is not None and old.severity == severity else None
 
     def _flag(self, rule: str, value: float, threshold: float, step: int, site: str,
               s: SiteSummary | None, message: str, severity: str = "warning",

@@ -205,25 +205,35 @@ class Resolver:
             self._release(untimed)
         by_timer: dict[Any, list[Call]] = {}
         for c in calls:
-            by_timer.setdefault(c.timer, []).append(c)
+            group = by_timer.get(c.timer)
+            if group is None:
+                by_timer[c.timer] = [c]
+            else:
+                group.append(c)
         give_up = time.monotonic() - step.closed >= _BACKWARD_GRACE_S
-        seconds: dict[Call, tuple[float, float, int, int]] = {}
-        for t, group in by_timer.items():  # one group per device kind; native: one C++ call
+        # One C++ call per device kind (native), every group read before any mark is given back.
+        read: list[tuple[Any, list[Call], list[tuple[float, float, int, int]]]] = []
+        for t, group in by_timer.items():
             s = t.seconds([(c.fwd0, c.fwd1, c.bwd0, c.bwd1) for c in group], give_up)
             if s is None:
                 return False
-            seconds.update(zip(group, s, strict=True))
-        for t, group in by_timer.items():
-            t.release(*(m for c in group for m in (c.fwd0, c.fwd1, c.bwd0, c.bwd1)))
-            for c in group:
+            read.append((t, group, s))
+        timed: list[tuple[Call, float, float, int, int]] = []
+        for t, group, s in read:
+            t.release(*[m for c in group for m in (c.fwd0, c.fwd1, c.bwd0, c.bwd1)])
+            for c, (f, b, fi, bi) in zip(group, s, strict=True):
                 c.fwd0 = c.fwd1 = c.bwd0 = c.bwd1 = None
-        timed = [(c, *seconds[c]) for c in calls]
-        kept = [t for t in timed if not t[2] < 0]  # backward -1: native marks refused in a capture
-        in_graph += len(timed) - len(kept)
+                if b < 0:  # backward -1: native marks refused in a capture
+                    in_graph += 1
+                else:
+                    timed.append((c, f, b, fi, bi))
+        if len(read) > 1:  # the step's order, across device kinds
+            order = {id(c): i for i, c in enumerate(calls)}
+            timed.sort(key=lambda x: order[id(x[0])])
         if in_graph:
             step.count(GRAPH_BACKWARD, in_graph)
             self.unmeasured[GRAPH_BACKWARD] = self.unmeasured.get(GRAPH_BACKWARD, 0) + in_graph
-        self._report(step, kept)
+        self._report(step, timed)
         return True
 
     def _release(self, calls: list[Call]) -> None:
@@ -249,15 +259,22 @@ class Resolver:
             assert sig is not None
             f, b = _seconds(f), _seconds(b)
             kept_bytes = None if sig.forward_only else sig.kept_bytes
-            records.append(CallRecord(
-                site=c.site, impl=sig.impl, shape=sig.shape, dtype=sig.dtype, causal=sig.causal,
-                dropout=sig.dropout, kv_heads=sig.kv_heads, layout=sig.layout, device=sig.device,
-                forward_seconds=f, backward_seconds=b, kept_bytes=kept_bytes,
-                standard_bytes=sig.standard_bytes, peak_bytes=sig.peak_bytes,
-                recompute=c.recompute, interceptor=sig.interceptor,
-                fallback_reason=sig.fallback_reason, probe=c.probe, forward_only=sig.forward_only,
-                forward_host_seconds=fi * 1e-9, backward_host_seconds=bi * 1e-9,
-                **(c.extra.resolve() if c.extra is not None else {})))
+            if c.extra is None:  # positional: CallRecord's field order (a third of the keywords' cost)
+                records.append(CallRecord(
+                    c.site, sig.impl, sig.shape, sig.dtype, sig.causal, sig.dropout, sig.kv_heads,
+                    sig.layout, sig.device, f, b, kept_bytes, sig.standard_bytes, sig.peak_bytes,
+                    c.recompute, sig.interceptor, sig.fallback_reason, c.probe, sig.forward_only,
+                    None, None, fi * 1e-9, bi * 1e-9))
+            else:
+                records.append(CallRecord(
+                    site=c.site, impl=sig.impl, shape=sig.shape, dtype=sig.dtype,
+                    causal=sig.causal, dropout=sig.dropout, kv_heads=sig.kv_heads,
+                    layout=sig.layout, device=sig.device, forward_seconds=f, backward_seconds=b,
+                    kept_bytes=kept_bytes, standard_bytes=sig.standard_bytes,
+                    peak_bytes=sig.peak_bytes, recompute=c.recompute, interceptor=sig.interceptor,
+                    fallback_reason=sig.fallback_reason, probe=c.probe,
+                    forward_only=sig.forward_only, forward_host_seconds=fi * 1e-9,
+                    backward_host_seconds=bi * 1e-9, **c.extra.resolve()))
             bwd += b
             if c.recompute:
                 recompute += f
