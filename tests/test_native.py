@@ -227,6 +227,42 @@ def test_the_backward_window_spans_the_hooked_backwards(ext):
     assert not marks.window() and not marks.wait_window(0.01)
 
 
+def test_wake_window_ends_a_wait_at_once_and_a_wake_before_the_wait_is_kept(ext):
+    """flush() must not sit out the resolver's wait for a backward window (up to 0.1 s a wait,
+    on a GPU-bound step most of what a flush took): it ends the wait at once."""
+    marks = ext.Marks(False)
+    marks.wake_window()  # before any wait: the next one returns at once
+    assert marks.wait_window(30.0)
+    assert not marks.wait_window(0.01)  # the wake was used up: no window, nothing to wake it
+    result = {}
+
+    def wait():
+        result["ready"] = marks.wait_window(30.0)
+        result["at"] = time.monotonic()
+
+    waiter = threading.Thread(target=wait)
+    waiter.start()
+    time.sleep(0.05)
+    woke = time.monotonic()
+    marks.wake_window()
+    waiter.join(30.0)
+    assert result["ready"] and result["at"] - woke < 10.0  # not the wait's 30 s
+    assert not marks.window()
+
+
+def test_flush_and_detach_end_the_resolvers_wait_for_a_backward_window(ext):
+    s = attach(native="on")
+    timer = s.devices.timer("cpu")
+    woken = []
+    wake = timer.wake_window
+    timer.wake_window = lambda: (woken.append("wake"), wake())[1]
+    train(GPT(layers=2), steps=2)
+    assert s.flush(30) and woken == ["wake"]
+    assert s.last_step().step == 2
+    fadiag.detach()  # stop(): its flush, then the thread's own wait ended too
+    assert woken == ["wake"] * 3
+
+
 def test_a_graph_freed_without_backward_does_not_hold_the_window_open(ext):
     marks = ext.Marks(False)
     q = torch.randn(1, 2, 8, 4, requires_grad=True)

@@ -216,6 +216,7 @@ class NativeTimer:
         self.reset_in_backward = self._marks.reset_in_backward
         self.window = self._marks.window
         self.wait_window = self._marks.wait_window
+        self.wake_window = self._marks.wake_window
         self._give_back_all = self._marks.give_back_all
 
     def fast_begin(self, *state: Any) -> Any:

@@ -240,6 +240,7 @@ class Marks {
   void reset_in_backward() { pool_->reset_in_backward(); }
   bool window() const { return pool_->window(); }
   bool wait_window(double timeout_s) { return pool_->wait_window(timeout_s); }
+  void wake_window() { pool_->wake_window(); }
 
   std::shared_ptr<Pool> pool() const { return pool_; }
 
@@ -648,6 +649,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("window", &Marks::window)
       .def("wait_window", &Marks::wait_window,
            pybind11::call_guard<pybind11::gil_scoped_release>())
+      .def("wake_window", &Marks::wake_window)
       .def("pool", &Marks::pool);
   fadiag::bind_tap(m);
   m.def("allocator_stats", &fadiag::allocator_stats, pybind11::arg("device") = -1,

@@ -310,11 +310,23 @@ class Pool {
     cv_.notify_all();
   }
 
-  // Block (the caller has released the GIL) until the window is open or `timeout_s` passes.
+  // Block (the caller has released the GIL) until the window is open, wake_window() is called,
+  // or `timeout_s` passes; true on either of the first two.
   bool wait_window(double timeout_s) {
     std::unique_lock<std::mutex> lock(mu_);
-    return cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
-                        [&] { return window_.load(); });
+    const bool ready = cv_.wait_for(lock, std::chrono::duration<double>(timeout_s),
+                                    [&] { return window_.load() || woken_; });
+    woken_ = false;
+    return ready;
+  }
+  // Ends the current (or the next) wait_window at once: someone waits for the resolver (flush),
+  // which must not sit out its wait for a window first.
+  void wake_window() {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      woken_ = true;
+    }
+    cv_.notify_all();
   }
 
   // A step boundary: whatever backward ran is over.
@@ -372,6 +384,7 @@ class Pool {
   std::atomic<int64_t> in_backward_{0};
   std::atomic<int64_t> armed_{0};
   std::atomic<bool> window_{false};
+  bool woken_ = false;  // under mu_: wake_window() was called since the last wait_window()
   std::mutex mu_;
   std::condition_variable cv_;
   std::mutex slots_mu_;
