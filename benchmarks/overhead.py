@@ -105,6 +105,14 @@ def _nothing() -> None:
     pass
 
 
+def _yielding(inner):
+    def piece(*args, **kwargs):
+        time.sleep(0)
+        return inner(*args, **kwargs)
+
+    return piece
+
+
 @contextlib.contextmanager
 def variant(name: str, model: nn.Module):
     """Runs `name` around the block; yields what a timed block calls after its closing
@@ -144,6 +152,13 @@ def variant(name: str, model: nn.Module):
             # The resolver does not wait for a backward window: it resolves what is pending
             # whenever it wakes (every 0.1 s), in one burst.
             session.resolver._await_window = lambda: None
+        if name == "fadiag_yielding":
+            # The resolver lets go of the GIL (time.sleep(0)) before each piece of a step's
+            # resolution, so a thread that wants it back (the autograd engine's, freeing tensors
+            # in backward) waits for one piece, not the whole step (BENCHMARKS.md, runs 72-76).
+            for owner, attr in ((session.resolver, "_report"), (session.rules, "evaluate"),
+                                (session.sinks, "emit"), (session.resolver, "_step_peak")):
+                setattr(owner, attr, _yielding(getattr(owner, attr)))
         if name == "fadiag_no_resolver":
             # Closed steps give their marks back at once, on the training thread, and the
             # resolver thread never runs: the training thread's own cost alone.
