@@ -270,22 +270,16 @@ class Resolver:
             assert sig is not None
             f, b = _seconds(f), _seconds(b)
             kept_bytes = None if sig.forward_only else sig.kept_bytes
-            if c.extra is None:  # positional: CallRecord's field order (a third of the keywords' cost)
-                records.append(CallRecord(
-                    c.site, sig.impl, sig.shape, sig.dtype, sig.causal, sig.dropout, sig.kv_heads,
-                    sig.layout, sig.device, f, b, kept_bytes, sig.standard_bytes, sig.peak_bytes,
-                    c.recompute, sig.interceptor, sig.fallback_reason, c.probe, sig.forward_only,
-                    None, None, fi * 1e-9, bi * 1e-9))
-            else:
-                records.append(CallRecord(
-                    site=c.site, impl=sig.impl, shape=sig.shape, dtype=sig.dtype,
-                    causal=sig.causal, dropout=sig.dropout, kv_heads=sig.kv_heads,
-                    layout=sig.layout, device=sig.device, forward_seconds=f, backward_seconds=b,
-                    kept_bytes=kept_bytes, standard_bytes=sig.standard_bytes,
-                    peak_bytes=sig.peak_bytes, recompute=c.recompute, interceptor=sig.interceptor,
-                    fallback_reason=sig.fallback_reason, probe=c.probe,
-                    forward_only=sig.forward_only, forward_host_seconds=fi * 1e-9,
-                    backward_host_seconds=bi * 1e-9, **c.extra.resolve()))
+            # Positional, in CallRecord's field order: a third of the keywords' cost.
+            record = CallRecord(
+                c.site, sig.impl, sig.shape, sig.dtype, sig.causal, sig.dropout, sig.kv_heads,
+                sig.layout, sig.device, f, b, kept_bytes, sig.standard_bytes, sig.peak_bytes,
+                c.recompute, sig.interceptor, sig.fallback_reason, c.probe, sig.forward_only,
+                None, None, fi * 1e-9, bi * 1e-9)
+            if c.extra is not None:  # the op's own per-call fields (flex: sparsity, options)
+                for name, value in c.extra.resolve().items():
+                    setattr(record, name, value)
+            records.append(record)
             bwd += b
             if c.recompute:
                 recompute += f
