@@ -165,16 +165,12 @@ class Rules:
         if total is not None and total > line and fwd >= cfg.min_forward_seconds and over:
             calm = all(b is not None and b.covers(y)
                        for b, y in ((band_for(x, self.device), y) for x, y, _ in over))
-            key = ("backward_forward_ratio", TOTAL)
+            key, (s, r, _) = ("backward_forward_ratio", TOTAL), max(over, key=lambda x: x[1])
             severity = "info" if calm else "warning"
-            held = self._held(key, severity)
-            if held is None:
-                s, r, _ = max(over, key=lambda x: x[1])
-                held = self._flag(
-                    "backward_forward_ratio", total, line, report.step, TOTAL, s,
-                    ratio_advice(total, line, s, r, len(over), len(sites), self.device, median),
-                    severity=severity, band=band_label(s, self.device))
-            out[key] = held
+            out[key] = self._held(key, severity) or self._flag(
+                "backward_forward_ratio", total, line, report.step, TOTAL, s,
+                ratio_advice(total, line, s, r, len(over), len(sites), self.device, median),
+                severity=severity, band=band_label(s, self.device))
         elif self.cfg.per_site:
             for s, r, t in over:
                 b = band_for(s, self.device)
@@ -194,30 +190,20 @@ class Rules:
         if m is not None and m < cfg.threshold:
             key = ("memory_savings", TOTAL)
             severity = "info" if under and all(map(memory_expected, under)) else "warning"
-            held = self._held(key, severity)
-            if held is None:
-                worst = min(under, key=lambda s: s.memory_savings or 0.0, default=None)
-                reason = next((c.fallback_reason for c in report.calls if worst is not None
-                               and c.site == worst.site and c.fallback_reason), None)
-                held = self._flag(
-                    "memory_savings", m, cfg.threshold, report.step, TOTAL, worst,
-                    memory_advice(m, cfg.threshold, worst, reason, len(under), len(sites)),
-                    severity=severity)
-            out[key] = held
+            worst = min(under, key=lambda s: s.memory_savings or 0.0, default=None)
+            out[key] = self._held(key, severity) or self._flag(
+                "memory_savings", m, cfg.threshold, report.step, TOTAL, worst,
+                memory_advice(m, cfg.threshold, worst, _fallback(report, worst), len(under),
+                              len(sites)), severity=severity)
         elif self.cfg.per_site:
             for s in under:
                 assert s.memory_savings is not None
                 key = ("memory_savings", s.site)
                 severity = "info" if memory_expected(s) else "warning"
-                held = self._held(key, severity)
-                if held is None:
-                    reason = next((c.fallback_reason for c in report.calls
-                                   if c.site == s.site and c.fallback_reason), None)
-                    held = self._flag(
-                        "memory_savings", s.memory_savings, cfg.threshold, report.step, s.site, s,
-                        memory_advice(s.memory_savings, cfg.threshold, s, reason, None, len(sites)),
-                        severity=severity)
-                out[key] = held
+                out[key] = self._held(key, severity) or self._flag(
+                    "memory_savings", s.memory_savings, cfg.threshold, report.step, s.site, s,
+                    memory_advice(s.memory_savings, cfg.threshold, s, _fallback(report, s), None,
+                                  len(sites)), severity=severity)
         for s, value, message in _unfused_flex(report, sites, cfg.threshold):
             site = s.site if self.cfg.per_site else TOTAL
             out.setdefault(("memory_savings", site), self._flag(
@@ -361,10 +347,9 @@ class Rules:
         return self._episodes.update(conditions, rules=("hang",), step=self._last_step + 1)
 
     def _held(self, key: tuple[str, str], severity: str) -> Flag | None:
-        """The flag of the episode open at `key` when its condition holds again at the same
-        severity: Episodes keeps the flag that opened an episode and reads only the severity of
-        the ones after it, so the step's own (its advice, formatted) would go unread. Every step
-        of a healthy cuDNN job, or of a short sequence that keeps out + logsumexp, holds one."""
+        """The open episode's flag at `key` when its condition holds again at the same severity
+        (Episodes reads only the severity of later flags): its advice is not formatted again every
+        step of a healthy cuDNN job, or of a short sequence that keeps out + logsumexp."""
         old = self.active.get(key)
         return old if old is not None and old.severity == severity else None
 
@@ -374,6 +359,12 @@ class Rules:
         return Flag(rule=rule, value=value, threshold=threshold, step=step, site=site,
                     message=message, impl=s.impl if s else "", shape=s.shape if s else None,
                     rank=self.rank, severity=severity, band=band)
+
+
+def _fallback(report: StepReport, s: SiteSummary | None) -> str | None:
+    """Why a site's calls fell back to the math path, where one said."""
+    return next((c.fallback_reason for c in report.calls
+                 if s is not None and c.site == s.site and c.fallback_reason), None)
 
 
 def _unfused_flex(report: StepReport, sites: list[SiteSummary],
