@@ -118,6 +118,31 @@ def _raised(rules, reports):
     return [f for r in reports for f in rules.evaluate(r) if not f.cleared]
 
 
+def test_a_held_episode_keeps_its_flag_and_formats_no_advice_again(monkeypatch):
+    """Episodes read only the severity of the flags after the one that opened an episode: while
+    the condition holds at that severity the rule hands back the open flag (a healthy cuDNN job
+    holds an info episode every step, and formatting its advice each time was the resolver's
+    work for nothing); a graver condition still raises at once."""
+    from fadiag.rules import engine
+
+    made = []
+    advice = engine.ratio_advice
+    monkeypatch.setattr(engine, "ratio_advice", lambda *a: (made.append(a[0]), advice(*a))[1])
+    rules = _rules(device="NVIDIA H200", backward_forward_ratio={"warmup_steps": 0},
+                   regression={"enabled": False})
+
+    def cudnn(step, ratio):
+        return _report(step, 0.01, impl="cudnn", n=2048, ratio=ratio, device="cuda",
+                       dtype="bfloat16")
+
+    raised = [_raised(rules, [cudnn(step, 3.3)]) for step in range(1, 6)]
+    assert [len(r) for r in raised] == [1, 0, 0, 0, 0] and raised[0][0].severity == "info"
+    assert len(made) == 1 and rules.active[("backward_forward_ratio", "*")] is raised[0][0]
+    [graver] = _raised(rules, [cudnn(6, 5.0)])
+    assert graver.severity == "warning" and graver.step == 6 and len(made) == 2
+    assert rules.active[("backward_forward_ratio", "*")] is graver
+
+
 def test_regression_fires_within_n_plus_one_steps_of_a_slowdown_and_not_before():
     cfg = load_config({"rules": {"regression": {"warmup_steps": 5, "window": 20, "consecutive": 5,
                                                 "sustain_seconds": 0}}})
