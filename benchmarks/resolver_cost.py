@@ -7,9 +7,11 @@ building the report, the rules, the sinks. Per step: the median over the steps, 
 resolver holds the GIL while it runs Python, and on a launch-bound step the training thread and
 the autograd engine's thread want it back all the time (benchmarks/BENCHMARKS.md, runs 67-69),
 so this is the list to shorten. (cProfile is not used: from Python 3.12 it profiles every
-thread at once.) Usage:
+thread at once.) With `--replay` the closed steps are held instead, and resolved afterwards on the
+main thread with nothing beside it: each piece's own cost, with no wait for the GIL in it, the
+figure to compare between commits. Usage:
 
-    python benchmarks/resolver_cost.py [--device cuda] [--steps 300]
+    python benchmarks/resolver_cost.py [--device cuda] [--steps 300] [--replay]
 """
 
 from __future__ import annotations
@@ -59,6 +61,8 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--replay", action="store_true",
+                   help="hold the closed steps, then resolve them on this thread, alone")
     args = p.parse_args()
     setup_device(args.device)
     model, step = phased_step(args.device)
@@ -73,16 +77,25 @@ def main() -> None:
     for owner, attr, label in PIECES:
         if isinstance(owner, str):
             setattr(owners[owner], attr, timed(times[label], getattr(owners[owner], attr)))
+    held: list = []
+    if args.replay:
+        session.resolver.submit = held.append
     try:
         step([])  # signatures learned
         for _ in range(args.steps):
             step([])
+        if args.replay:
+            if args.device == "cuda":
+                torch.cuda.synchronize()  # every mark passed: no resolution waits
+            for closed in held[1:]:  # not the first: it learned the signatures
+                assert session.resolver._try_resolve(closed)
         session.flush(60)
         calls = statistics.median(len(r.calls) for r in session.history())
     finally:
         fadiag.detach()
+    where = "replayed on the main thread, alone" if args.replay else "resolver thread"
     print(f"device {args.device}, torch {torch.__version__}; {args.steps} launch-bound steps, "
-          f"{calls:g} calls a step; resolver thread, median µs a step (calls of the piece a step)")
+          f"{calls:g} calls a step; {where}, median µs a step (calls of the piece a step)")
     resolved = len(times["whole resolution"]) or 1
     for _, _, label in PIECES:
         v = times[label]
