@@ -8,6 +8,7 @@ cleared when it ends, so a sink hears of a problem once.
 from __future__ import annotations
 
 import logging
+import operator
 import statistics
 from collections import Counter, deque
 from collections.abc import Iterable, Sequence
@@ -35,7 +36,10 @@ def ratio_calls(calls: Iterable[CallRecord]) -> list[CallRecord]:
 def fastest_ratio(window: Sequence[tuple[float, float]]) -> float:
     """The fastest backward over the fastest forward of (forward, backward) seconds: how the
     ratio rule judges host-clock timings over a window of steps (Rules._judged_ratio)."""
-    return min(b for _, b in window) / min(f for f, _ in window)
+    return min(map(_BACKWARD, window)) / min(map(_FORWARD, window))
+
+
+_FORWARD, _BACKWARD = operator.itemgetter(0), operator.itemgetter(1)
 
 
 class Rules:
