@@ -111,9 +111,7 @@ class Resolver:
     def _wake_window(self) -> None:
         """End a wait for a backward window (_await_window) now, not at its timeout (_BATCH_S)."""
         for t in self._native_timers():
-            wake = getattr(t, "wake_window", None)
-            if wake is not None:
-                wake()
+            t.wake_window()
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -216,35 +214,25 @@ class Resolver:
             self._release(untimed)
         by_timer: dict[Any, list[Call]] = {}
         for c in calls:
-            group = by_timer.get(c.timer)
-            if group is None:
-                by_timer[c.timer] = [c]
-            else:
-                group.append(c)
+            by_timer.setdefault(c.timer, []).append(c)
         give_up = time.monotonic() - step.closed >= _BACKWARD_GRACE_S
-        # One C++ call per device kind (native), every group read before any mark is given back.
-        read: list[tuple[Any, list[Call], list[tuple[float, float, int, int]]]] = []
-        for t, group in by_timer.items():
+        seconds: dict[Call, tuple[float, float, int, int]] = {}
+        for t, group in by_timer.items():  # one group per device kind; native: one C++ call
             s = t.seconds([(c.fwd0, c.fwd1, c.bwd0, c.bwd1) for c in group], give_up)
             if s is None:
                 return False
-            read.append((t, group, s))
-        timed: list[tuple[Call, float, float, int, int]] = []
-        for t, group, s in read:
-            t.release(*[m for c in group for m in (c.fwd0, c.fwd1, c.bwd0, c.bwd1)])
-            for c, (f, b, fi, bi) in zip(group, s, strict=True):
+            seconds.update(zip(group, s, strict=True))
+        for t, group in by_timer.items():  # every group read before any mark is given back
+            t.release(*(m for c in group for m in (c.fwd0, c.fwd1, c.bwd0, c.bwd1)))
+            for c in group:
                 c.fwd0 = c.fwd1 = c.bwd0 = c.bwd1 = None
-                if b < 0:  # backward -1: native marks refused in a capture
-                    in_graph += 1
-                else:
-                    timed.append((c, f, b, fi, bi))
-        if len(read) > 1:  # the step's order, across device kinds
-            order = {id(c): i for i, c in enumerate(calls)}
-            timed.sort(key=lambda x: order[id(x[0])])
+        timed = [(c, *seconds[c]) for c in calls]
+        kept = [t for t in timed if not t[2] < 0]  # backward -1: native marks refused in a capture
+        in_graph += len(timed) - len(kept)
         if in_graph:
             step.count(GRAPH_BACKWARD, in_graph)
             self.unmeasured[GRAPH_BACKWARD] = self.unmeasured.get(GRAPH_BACKWARD, 0) + in_graph
-        self._report(step, timed)
+        self._report(step, kept)
         return True
 
     def _release(self, calls: list[Call]) -> None:
