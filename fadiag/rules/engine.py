@@ -22,6 +22,7 @@ from .episodes import Episodes
 from .messages import band_label, memory_advice, memory_expected, ratio_advice, site_text
 
 log = logging.getLogger("fadiag")
+_FORWARD, _BACKWARD = operator.itemgetter(0), operator.itemgetter(1)
 
 TOTAL = "*"
 """The `site` of a flag about a whole step."""
@@ -37,9 +38,6 @@ def fastest_ratio(window: Sequence[tuple[float, float]]) -> float:
     """The fastest backward over the fastest forward of (forward, backward) seconds: how the
     ratio rule judges host-clock timings over a window of steps (Rules._judged_ratio)."""
     return min(map(_BACKWARD, window)) / min(map(_FORWARD, window))
-
-
-_FORWARD, _BACKWARD = operator.itemgetter(0), operator.itemgetter(1)
 
 
 class Rules:
@@ -167,19 +165,17 @@ class Rules:
                     and wait > self.cfg.regression.max_cpu_wait else "")
             median = f" (fastest of the last {cfg.host_window_steps} steps{busy})"
         if total is not None and total > line and fwd >= cfg.min_forward_seconds and over:
-            calm = all(b is not None and b.covers(y)
-                       for b, y in ((band_for(x, self.device), y) for x, y, _ in over))
-            key, (s, r, _) = ("backward_forward_ratio", TOTAL), max(over, key=lambda x: x[1])
-            severity = "info" if calm else "warning"
+            s, r, _ = max(over, key=lambda x: x[1])
+            key = ("backward_forward_ratio", TOTAL)
+            severity = "info" if all(self._healthy(x, y) for x, y, _ in over) else "warning"
             out[key] = self._held(key, severity) or self._flag(
                 "backward_forward_ratio", total, line, report.step, TOTAL, s,
                 ratio_advice(total, line, s, r, len(over), len(sites), self.device, median),
                 severity=severity, band=band_label(s, self.device))
         elif self.cfg.per_site:
             for s, r, t in over:
-                b = band_for(s, self.device)
                 key = ("backward_forward_ratio", s.site)
-                severity = "info" if b is not None and b.covers(r) else "warning"
+                severity = "info" if self._healthy(s, r) else "warning"
                 out[key] = self._held(key, severity) or self._flag(
                     "backward_forward_ratio", r, t, report.step, s.site, s,
                     ratio_advice(r, t, s, r, None, len(sites), self.device, median),
@@ -349,6 +345,11 @@ class Rules:
                          f"(timeout {cfg.timeout_seconds:.0f} s): the device or a collective it waits "
                          "on may be stuck — dump the stacks (py-spy dump) and check the other ranks"))
         return self._episodes.update(conditions, rules=("hang",), step=self._last_step + 1)
+
+    def _healthy(self, s: SiteSummary, value: float) -> bool:
+        """Whether a ratio over its threshold is what the site's kernel measures when healthy."""
+        band = band_for(s, self.device)
+        return band is not None and band.covers(value)
 
     def _held(self, key: tuple[str, str], severity: str) -> Flag | None:
         """The open episode's flag at `key` when its condition holds again at the same severity
