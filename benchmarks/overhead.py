@@ -9,6 +9,7 @@ median of per-pair ratios, with plain-vs-plain as the noise reference. Usage:
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import json
 import statistics
@@ -24,6 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from marks_first import marks_first  # noqa: E402
 
 import fadiag  # noqa: E402
+from fadiag.steps import resolver as resolver_module  # noqa: E402
 
 
 class Block(nn.Module):
@@ -97,6 +99,7 @@ def make(name: str):
     return model, step
 
 
+batch_s = resolver_module._BATCH_S
 ATTACH_DEFAULTS: dict = {}
 """Configuration every fadiag variant attaches with (other scripts set e.g. a CPU device)."""
 
@@ -133,6 +136,8 @@ def variant(name: str, model: nn.Module):
             # No dispatcher tap: every eager call timed by the wrapper's own marks and backward
             # hooks (what eager calls ran before the tap timed them; compiled ones go unmeasured).
             overrides["tap"] = "off"
+        if name == "fadiag_burst":
+            resolver_module._BATCH_S = 1.0
         session = fadiag.attach(**overrides)
         if name == "fadiag_no_report":
             # The resolver waits for the marks and gives them back, and builds no report (no
@@ -159,13 +164,40 @@ def variant(name: str, model: nn.Module):
             for owner, attr in ((session.resolver, "_report"), (session.rules, "evaluate"),
                                 (session.sinks, "emit"), (session.resolver, "_step_peak")):
                 setattr(owner, attr, _yielding(getattr(owner, attr)))
+        settle = lambda: session.flush(60)  # noqa: E731
+        if name == "fadiag_inline":
+            # Each closed step resolved on the training thread, at a later boundary once the
+            # device has passed its marks: the resolver's Python at its own cost, with no GIL
+            # handed between threads (against fadiag: what the hand-overs cost).
+            settle = inline_resolution(session)
+        if name == "fadiag_held":
+            # As fadiag_no_resolver, but each closed step's marks and tap records are given back
+            # 12 steps later (about when the resolver, waking every 0.1 s, reaches them): what
+            # holding them costs, apart from resolving them.
+            held: collections.deque = collections.deque()
+
+            def hold(step) -> None:
+                held.append(step)
+                if len(held) > 12:
+                    release_marks(held.popleft())
+
+            def settle() -> None:
+                while held:
+                    release_marks(held.popleft())
+
+            session.resolver.submit = hold
+        if name == "fadiag_burst":
+            # The resolver wakes every second and resolves all that is pending at once, with no
+            # backward window: a 30-step block's steps are resolved in its settle, back to back.
+            session.resolver._await_window = lambda: None
         if name == "fadiag_no_resolver":
             # Closed steps give their marks back at once, on the training thread, and the
             # resolver thread never runs: the training thread's own cost alone.
             session.resolver.submit = release_marks
         try:
-            yield lambda: session.flush(60)
+            yield settle
         finally:
+            resolver_module._BATCH_S = batch_s
             MARKS_SEEN.setdefault(name, set()).update(session.devices.marks().values())
             tap = session.recorder.tap
             if tap is not None and tap.backward_starts():
@@ -198,6 +230,31 @@ def variant(name: str, model: nn.Module):
 # Which marks each fadiag variant really ran with, across all its blocks: recorded with its figure,
 # so a variant that silently fell back to Python marks shows in the result.
 MARKS_SEEN: dict[str, set[str]] = {}
+
+
+def inline_resolution(session):
+    """Redirects `session`'s closed steps to the training thread (see the fadiag_inline variant);
+    returns the block's settle: what is still pending resolved once the device is done."""
+    resolver = session.resolver
+    pending: collections.deque = collections.deque()
+
+    def resolve(give_up: bool) -> None:
+        while pending and resolver._try_resolve(pending[0]):
+            pending.popleft()
+        if give_up and pending:
+            raise RuntimeError(f"{len(pending)} closed steps not resolved after a synchronise")
+
+    def submit(step) -> None:
+        pending.append(step)
+        resolve(False)
+
+    def settle() -> None:
+        torch.cuda.synchronize()
+        resolve(True)
+        session.flush(60)
+
+    resolver.submit = submit
+    return settle
 
 
 def release_marks(step) -> None:
@@ -293,10 +350,17 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int) -> dic
         # part of it: settled inside the block. A GPU-bound step hides that work behind the
         # device's (the resolver runs while the host waits), and a flush would add it in series.
         host_bound = not model_name.endswith("gpu_bound")
-        for _ in range(pairs):
-            a = block_time(step, n, warm)
-            with variant(v, model) as settle:
-                b = block_time(step, n, warm, settle if host_bound else _nothing)
+        for i in range(pairs):
+            # Every other pair runs the variant first: a drift of the host or the card over a
+            # pair (its clocks as it warms) then reads as much for the variant as against it.
+            if i % 2:
+                with variant(v, model) as settle:
+                    b = block_time(step, n, warm, settle if host_bound else _nothing)
+                a = block_time(step, n, warm)
+            else:
+                a = block_time(step, n, warm)
+                with variant(v, model) as settle:
+                    b = block_time(step, n, warm, settle if host_bound else _nothing)
             plain_t.append(a)
             var_t.append(b)
             ratios.append(b / a - 1.0)
