@@ -249,7 +249,8 @@ def inline_resolution(session):
         resolve(False)
 
     def settle() -> None:
-        torch.cuda.synchronize()
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
         resolve(True)
         session.flush(60)
 

@@ -9,9 +9,11 @@ the autograd engine's thread want it back all the time (benchmarks/BENCHMARKS.md
 so this is the list to shorten. (cProfile is not used: from Python 3.12 it profiles every
 thread at once.) With `--replay` the closed steps are held instead, and resolved afterwards on the
 main thread with nothing beside it: each piece's own cost, with no wait for the GIL in it, the
-figure to compare between commits. Usage:
+figure to compare between commits. With `--inline` each step is resolved on the main thread at a
+later step boundary, between training steps, as the resolver's work would run in situ without a
+second thread: against `--replay`, what cold caches cost it. Usage:
 
-    python benchmarks/resolver_cost.py [--device cuda] [--steps 300] [--replay]
+    python benchmarks/resolver_cost.py [--device cuda] [--steps 300] [--replay | --inline]
 """
 
 from __future__ import annotations
@@ -61,8 +63,12 @@ def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--replay", action="store_true",
-                   help="hold the closed steps, then resolve them on this thread, alone")
+    how = p.add_mutually_exclusive_group()
+    how.add_argument("--replay", action="store_true",
+                     help="hold the closed steps, then resolve them on this thread, alone")
+    how.add_argument("--inline", action="store_true",
+                     help="resolve each closed step on this thread at a later step boundary, "
+                          "between training steps (overhead.py's fadiag_inline)")
     args = p.parse_args()
     setup_device(args.device)
     model, step = phased_step(args.device)
@@ -80,6 +86,7 @@ def main() -> None:
     held: list = []
     if args.replay:
         session.resolver.submit = held.append
+    settle = overhead.inline_resolution(session) if args.inline else None
     try:
         step([])  # signatures learned
         for _ in range(args.steps):
@@ -89,11 +96,14 @@ def main() -> None:
                 torch.cuda.synchronize()  # every mark passed: no resolution waits
             for closed in held[1:]:  # not the first: it learned the signatures
                 assert session.resolver._try_resolve(closed)
+        if settle is not None:
+            settle()
         session.flush(60)
         calls = statistics.median(len(r.calls) for r in session.history())
     finally:
         fadiag.detach()
-    where = "replayed on the main thread, alone" if args.replay else "resolver thread"
+    where = ("replayed on the main thread, alone" if args.replay else
+             "on the training thread, between steps" if args.inline else "resolver thread")
     print(f"device {args.device}, torch {torch.__version__}; {args.steps} launch-bound steps, "
           f"{calls:g} calls a step; {where}, median µs a step (calls of the piece a step)")
     resolved = len(times["whole resolution"]) or 1
