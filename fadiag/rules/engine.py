@@ -14,12 +14,11 @@ from collections import Counter, deque
 from collections.abc import Iterable, Sequence
 
 from ..config import RulesConfig
-from ..memory import scores_bytes
 from ..steps.records import CallRecord, Flag, SiteSummary, StepReport, ratio, summarize
 from .bands import band_for
 from .baseline import Baseline
 from .episodes import Episodes
-from .messages import band_label, memory_advice, memory_expected, ratio_advice, site_text
+from .messages import band_label, memory_advice, memory_expected, ratio_advice, unfused_flex
 
 log = logging.getLogger("fadiag")
 _FORWARD, _BACKWARD = operator.itemgetter(0), operator.itemgetter(1)
@@ -66,6 +65,7 @@ class Rules:
         """The last step's attention seconds over that baseline; None for a step without one."""
         self._evaluated = 0
         self._host: dict[object, deque[float]] = {}  # host-clock ratios, per site key
+        self._device: dict[object, deque[float]] = {}  # device-clock ratios, the last 3, per key
         self._warm: dict[object, list[tuple[float, dict[str, str]]]] = {}
         self._frozen: dict[object, tuple[float, float, dict[str, str]]] = {}
         self._over: deque[bool] = deque(maxlen=max(1, cfg.regression.consecutive))
@@ -123,7 +123,13 @@ class Rules:
         undisturbed. The fastest call is the closest to what the kernel costs (timeit's rule);
         a backward that really is slow is slow in every step."""
         value = ratio(backward, forward)
-        if value is None or not host:
+        if value is None:
+            return value
+        if not host:
+            recent = self._device.get(key)
+            if recent is None:
+                recent = self._device[key] = deque(maxlen=3)
+            recent.append(value)
             return value
         n = self.cfg.backward_forward_ratio.host_window_steps
         recent = self._host.get(key)
@@ -143,21 +149,23 @@ class Rules:
         if (wait is not None and wait > cfg.max_cpu_wait
                 and any(s.device == "cpu" for s in sites)):
             return self._contended("backward_forward_ratio", report.step, wait, cfg.max_cpu_wait)
-        judged: list[tuple[SiteSummary, float, float]] = []  # (site, judged ratio, threshold)
+        # (site, judged ratio, threshold, the ratio its severity is judged on: _typical)
+        judged: list[tuple[SiteSummary, float, float, float]] = []
         for s in sites:
             if s.forward_seconds < cfg.min_forward_seconds:
                 continue
-            r = self._judged_ratio((s.site, s.impl, s.shape), s.ratio_forward_seconds,
-                                   s.backward_seconds, s.device == "cpu")
+            key = (s.site, s.impl, s.shape)
+            r = self._judged_ratio(key, s.ratio_forward_seconds, s.backward_seconds,
+                                   s.device == "cpu")
             if r is not None:
-                judged.append((s, r, cfg.threshold_for(s.impl)))
-        over = [(s, r, t) for s, r, t in judged if r > t]
+                judged.append((s, r, cfg.threshold_for(s.impl), self._typical(key, r)))
+        over = [j for j in judged if j[1] > j[2]]
         fwd = sum(s.ratio_forward_seconds for s in sites)
         host = any(s.device == "cpu" for s in sites)
         total = self._judged_ratio(TOTAL, fwd, sum(s.backward_seconds for s in sites), host)
         # The step as a whole is judged against the most lenient threshold of its impls: a step
         # over it has at least one site over its own.
-        line = max((t for _, _, t in judged), default=cfg.threshold)
+        line = max((j[2] for j in judged), default=cfg.threshold)
         median = ""
         if host:
             wait = report.cpu_wait
@@ -165,20 +173,20 @@ class Rules:
                     and wait > self.cfg.regression.max_cpu_wait else "")
             median = f" (fastest of the last {cfg.host_window_steps} steps{busy})"
         if total is not None and total > line and fwd >= cfg.min_forward_seconds and over:
-            s, r, _ = max(over, key=lambda x: x[1])
+            s, r, _, typical = max(over, key=lambda x: x[1])
             key = ("backward_forward_ratio", TOTAL)
-            severity = "info" if all(self._healthy(x, y) for x, y, _ in over) else "warning"
+            severity = "info" if all(self._healthy(x, y) for x, _, _, y in over) else "warning"
             out[key] = self._held(key, severity) or self._flag(
                 "backward_forward_ratio", total, line, report.step, TOTAL, s,
-                ratio_advice(total, line, s, r, len(over), len(sites), self.device, median),
-                severity=severity, band=band_label(s, self.device))
+                ratio_advice(total, line, s, r, typical, len(over), len(sites), self.device,
+                             median), severity=severity, band=band_label(s, self.device))
         elif self.cfg.per_site:
-            for s, r, t in over:
+            for s, r, t, typical in over:
                 key = ("backward_forward_ratio", s.site)
-                severity = "info" if self._healthy(s, r) else "warning"
+                severity = "info" if self._healthy(s, typical) else "warning"
                 out[key] = self._held(key, severity) or self._flag(
                     "backward_forward_ratio", r, t, report.step, s.site, s,
-                    ratio_advice(r, t, s, r, None, len(sites), self.device, median),
+                    ratio_advice(r, t, s, r, typical, None, len(sites), self.device, median),
                     severity=severity, band=band_label(s, self.device))
         return out
 
@@ -204,7 +212,7 @@ class Rules:
                     "memory_savings", s.memory_savings, cfg.threshold, report.step, s.site, s,
                     memory_advice(s.memory_savings, cfg.threshold, s, _fallback(report, s), None,
                                   len(sites)), severity=severity)
-        for s, value, message in _unfused_flex(report, sites, cfg.threshold):
+        for s, value, message in unfused_flex(report, sites, cfg.threshold):
             site = s.site if self.cfg.per_site else TOTAL
             out.setdefault(("memory_savings", site), self._flag(
                 "memory_savings", value, cfg.threshold, report.step, site, s, message))
@@ -346,6 +354,19 @@ class Rules:
                          "on may be stuck — dump the stacks (py-spy dump) and check the other ranks"))
         return self._episodes.update(conditions, rules=("hang",), step=self._last_step + 1)
 
+    def _typical(self, key: object, value: float) -> float:
+        """The ratio a site's severity is judged on: on device clocks the median of its last three
+        steps, so that one step's outlier (seen beyond a band once in a run of a healthy GPT whose
+        sites read 2.8-3.5x) is not called a slow kernel, while a backward that turned slow is
+        from its second step; on the host clock the judged ratio (already a window's)."""
+        recent = self._device.get(key)
+        if not recent:
+            return value
+        if len(recent) < 3:
+            return sum(recent) / len(recent)
+        a, b, c = recent
+        return max(min(a, b), min(max(a, b), c))
+
     def _healthy(self, s: SiteSummary, value: float) -> bool:
         """Whether a ratio over its threshold is what the site's kernel measures when healthy."""
         band = band_for(s, self.device)
@@ -370,31 +391,3 @@ def _fallback(report: StepReport, s: SiteSummary | None) -> str | None:
     """Why a site's calls fell back to the math path, where one said."""
     return next((c.fallback_reason for c in report.calls
                  if s is not None and c.site == s.site and c.fallback_reason), None)
-
-
-def _unfused_flex(report: StepReport, sites: list[SiteSummary],
-                  threshold: float) -> list[tuple[SiteSummary, float, str]]:
-    """Eager flex_attention sites whose materialized scores fall below the savings threshold.
-
-    The unfused path keeps only O and logsumexp for backward, but materializes the score matrix
-    in each pass; it is judged on that: the allocator's peak, or at least one fp32 matrix where
-    the device has no allocator figures (CPU)."""
-    out = []
-    for s in sites:
-        if s.impl != "flex_unfused" or s.calls == 0 or s.standard_bytes <= 0:
-            continue
-        peaks = [c.peak_bytes for c in report.calls if c.site == s.site and c.peak_bytes]
-        b, h, sq, sk, _ = s.shape
-        materialized = max(peaks) if peaks else scores_bytes(b, h, sq, sk,
-                                                             8 if s.dtype == "float64" else 4)
-        value = 1.0 - materialized / (s.standard_bytes / s.calls)
-        if value >= threshold:
-            continue
-        how = ("the allocator's peak" if peaks else
-               "at least one fp32 matrix: this device reports no allocator peak")
-        out.append((s, value, (
-            f"memory savings {value:.1%} < {threshold:.0%}{site_text(s, None, len(sites))} — "
-            "flex_attention ran without torch.compile, so it materializes [B,H,Sq,Sk] scores "
-            f"({materialized / 2**20:.3g} MiB a call, {how}) in each pass: wrap it with "
-            "torch.compile (torch.compile(flex_attention)) to run the fused kernel")))
-    return out

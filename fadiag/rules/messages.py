@@ -2,12 +2,13 @@
 
 Ratio flags name the healthy band their kernel was measured in (bands.py) and say whether the
 value lies inside it; memory flags say why the savings are low (a fallback to the math path, a
-short sequence, an op that keeps more than it must).
+short sequence, an op that keeps more than it must, flex_attention run unfused).
 """
 
 from __future__ import annotations
 
-from ..steps.records import SiteSummary
+from ..memory import scores_bytes
+from ..steps.records import SiteSummary, StepReport
 from .bands import band_for
 
 _FUSED = ("flash", "cudnn", "cpu_flash", "flash_attn", "npu_fusion", "overrideable", "flex")
@@ -35,21 +36,26 @@ def site_text(s: SiteSummary | None, n: int | None, n_sites: int) -> str:
 
 
 def ratio_advice(value: float, threshold: float, s: SiteSummary, site_value: float,
-                  n_over: int | None, n_sites: int, device: str, median: str) -> str:
+                 typical: float, n_over: int | None, n_sites: int, device: str,
+                 median: str) -> str:
     """What the flag says: the figure, where, and whether it is what the kernel does when healthy
-    (the measured band), then what to do."""
+    (the measured band, against `typical`: the site's ratio over its last steps), then what to
+    do."""
     head = f"backward/forward {value:.2f}x > {threshold:g}x{median}"
     if n_over is None:
         where = f" (site {s.site}: {shape_text(s)})"
     else:
         where = f" ({n_over}/{n_sites} sites; worst {s.site} {site_value:.2f}x: {shape_text(s)})"
     band = band_for(s, device)
-    if band is not None and band.covers(site_value):
-        return (f"{head}{where} — within {band.describe()}: this is the kernel, not a fault; "
-                f"set rules.backward_forward_ratio.per_impl.{s.impl} (fadiag calibrate measures "
-                "it) to judge this job against its own")
+    # One step's outlier is judged with the site's recent steps (Rules._typical).
+    recent = (f" (the site's median over its recent steps: {typical:.2f}x)"
+              if abs(typical - site_value) >= 0.005 else "")
+    if band is not None and band.covers(typical):
+        return (f"{head}{where} — within {band.describe()}{recent}: this is the kernel, not a "
+                f"fault; set rules.backward_forward_ratio.per_impl.{s.impl} (fadiag calibrate "
+                "measures it) to judge this job against its own")
     if band is not None:
-        known = f" — beyond {band.describe()}"
+        known = f" — beyond {band.describe()}{recent}"
     else:
         known = f" — no healthy range measured for {s.impl} at this shape on {device or 'this device'}"
     if s.impl == "efficient":
@@ -97,3 +103,31 @@ def memory_advice(m: float, threshold: float, s: SiteSummary | None, reason: str
     else:
         why = f" — {s.impl} keeps more than O and logsumexp for backward: check what it saves"
     return head + where + why
+
+
+def unfused_flex(report: StepReport, sites: list[SiteSummary],
+                 threshold: float) -> list[tuple[SiteSummary, float, str]]:
+    """Eager flex_attention sites whose materialized scores fall below the savings threshold.
+
+    The unfused path keeps only O and logsumexp for backward, but materializes the score matrix
+    in each pass; it is judged on that: the allocator's peak, or at least one fp32 matrix where
+    the device has no allocator figures (CPU)."""
+    out = []
+    for s in sites:
+        if s.impl != "flex_unfused" or s.calls == 0 or s.standard_bytes <= 0:
+            continue
+        peaks = [c.peak_bytes for c in report.calls if c.site == s.site and c.peak_bytes]
+        b, h, sq, sk, _ = s.shape
+        materialized = max(peaks) if peaks else scores_bytes(b, h, sq, sk,
+                                                             8 if s.dtype == "float64" else 4)
+        value = 1.0 - materialized / (s.standard_bytes / s.calls)
+        if value >= threshold:
+            continue
+        how = ("the allocator's peak" if peaks else
+               "at least one fp32 matrix: this device reports no allocator peak")
+        out.append((s, value, (
+            f"memory savings {value:.1%} < {threshold:.0%}{site_text(s, None, len(sites))} — "
+            "flex_attention ran without torch.compile, so it materializes [B,H,Sq,Sk] scores "
+            f"({materialized / 2**20:.3g} MiB a call, {how}) in each pass: wrap it with "
+            "torch.compile (torch.compile(flex_attention)) to run the fused kernel")))
+    return out
