@@ -149,8 +149,7 @@ class Rules:
         if (wait is not None and wait > cfg.max_cpu_wait
                 and any(s.device == "cpu" for s in sites)):
             return self._contended("backward_forward_ratio", report.step, wait, cfg.max_cpu_wait)
-        # (site, judged ratio, threshold, the ratio its severity is judged on: _typical)
-        judged: list[tuple[SiteSummary, float, float, float]] = []
+        judged: list[tuple[SiteSummary, float, float, object]] = []  # (site, ratio, threshold, key)
         for s in sites:
             if s.forward_seconds < cfg.min_forward_seconds:
                 continue
@@ -158,8 +157,9 @@ class Rules:
             r = self._judged_ratio(key, s.ratio_forward_seconds, s.backward_seconds,
                                    s.device == "cpu")
             if r is not None:
-                judged.append((s, r, cfg.threshold_for(s.impl), self._typical(key, r)))
-        over = [j for j in judged if j[1] > j[2]]
+                judged.append((s, r, cfg.threshold_for(s.impl), key))
+        # With the ratio each one's severity is judged on (_typical).
+        over = [(s, r, t, self._typical(key, r)) for s, r, t, key in judged if r > t]
         fwd = sum(s.ratio_forward_seconds for s in sites)
         host = any(s.device == "cpu" for s in sites)
         total = self._judged_ratio(TOTAL, fwd, sum(s.backward_seconds for s in sites), host)
