@@ -669,3 +669,21 @@ def test_low_savings_a_short_sequence_explains_is_info_and_a_math_fallback_a_war
     assert "expected, not a fault" in flag.message
     [flag] = _rules(device="NVIDIA H200").evaluate(low("math"))
     assert flag.severity == "warning" and "math path" in flag.message
+
+
+def test_the_recent_ratios_kept_per_site_key_are_bounded_as_shapes_change(monkeypatch):
+    """A padded batch's length changes the shape step to step: each new (site, impl, shape) key
+    would keep its recent ratios for good; the rule keeps at most engine._KEYS, the oldest out."""
+    from fadiag.rules import engine
+
+    monkeypatch.setattr(engine, "_KEYS", 8)
+    device = _rules(device="NVIDIA H200", backward_forward_ratio={"warmup_steps": 0})
+    host = _rules(backward_forward_ratio={"warmup_steps": 0})
+    for i in range(1, 41):
+        device.evaluate(_report(i, 0.01, impl="cudnn", n=1000 + i, ratio=2.0, device="cuda",
+                                dtype="bfloat16"))
+        host.evaluate(_report(i, 0.01, n=1000 + i, ratio=2.0))
+    newest = (1, 2, 1040, 1040, 32)
+    for kept, impl in ((device._device, "cudnn"), (host._host, "cpu_flash")):
+        assert len(kept) <= 8 and ("m.py:1#0", impl, newest) in kept  # the oldest went first
+        assert ("m.py:1#0", impl, (1, 2, 1001, 1001, 32)) not in kept

@@ -27,6 +27,20 @@ TOTAL = "*"
 """The `site` of a flag about a whole step."""
 
 
+_KEYS = 4096
+"""Site keys whose recent ratios are kept, at most (a padded batch's length adds one per shape)."""
+
+
+def _recent(by_key: dict[object, deque], key: object, n: int) -> deque:
+    """`by_key[key]`, a deque of the last `n` values, made if new (evicting the oldest key)."""
+    recent = by_key.get(key)
+    if recent is None:
+        if len(by_key) >= _KEYS:
+            del by_key[next(iter(by_key))]
+        recent = by_key[key] = deque(maxlen=n)
+    return recent
+
+
 def ratio_calls(calls: Iterable[CallRecord]) -> list[CallRecord]:
     """The calls the ratio rule judges: not a signature's probe (cold caches land in it), and not
     host-bound (a starved device's windows measure the host's launches, not the kernel)."""
@@ -126,15 +140,10 @@ class Rules:
         if value is None:
             return value
         if not host:
-            recent = self._device.get(key)
-            if recent is None:
-                recent = self._device[key] = deque(maxlen=3)
-            recent.append(value)
+            _recent(self._device, key, 3).append(value)
             return value
         n = self.cfg.backward_forward_ratio.host_window_steps
-        recent = self._host.get(key)
-        if recent is None:
-            recent = self._host[key] = deque(maxlen=n)
+        recent = _recent(self._host, key, n)
         recent.append((forward, backward))
         if len(recent) < n:
             return None
@@ -356,14 +365,11 @@ class Rules:
 
     def _typical(self, key: object, value: float) -> float:
         """The ratio a site's severity is judged on: on device clocks the median of its last three
-        steps, so that one step's outlier (seen beyond a band once in a run of a healthy GPT whose
-        sites read 2.8-3.5x) is not called a slow kernel, while a backward that turned slow is
-        from its second step; on the host clock the judged ratio (already a window's)."""
+        steps (one step's outlier past a band is not a slow kernel; a backward that stays slow is
+        one from its second step); on the host clock the judged ratio, already a window's."""
         recent = self._device.get(key)
-        if not recent:
-            return value
-        if len(recent) < 3:
-            return sum(recent) / len(recent)
+        if recent is None or len(recent) < 3:
+            return sum(recent) / len(recent) if recent else value
         a, b, c = recent
         return max(min(a, b), min(max(a, b), c))
 
