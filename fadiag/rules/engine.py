@@ -28,17 +28,17 @@ TOTAL = "*"
 
 
 _KEYS = 4096
-"""Site keys whose recent ratios are kept, at most (a padded batch's length adds one per shape)."""
+"""Site or step keys whose state the rules keep, at most (a padded batch adds one per length)."""
 
 
-def _recent(by_key: dict[object, deque], key: object, n: int) -> deque:
-    """`by_key[key]`, a deque of the last `n` values, made if new (evicting the oldest key)."""
-    recent = by_key.get(key)
-    if recent is None:
+def _bounded(by_key: dict, key: object, make: Callable[[], Any]) -> Any:
+    """`by_key[key]`, made if new, evicting the oldest key past _KEYS."""
+    value = by_key.get(key)
+    if value is None:
         if len(by_key) >= _KEYS:
             del by_key[next(iter(by_key))]
-        recent = by_key[key] = deque(maxlen=n)
-    return recent
+        value = by_key[key] = make()
+    return value
 
 
 def ratio_calls(calls: Iterable[CallRecord]) -> list[CallRecord]:
@@ -140,10 +140,10 @@ class Rules:
         if value is None:
             return value
         if not host:
-            _recent(self._device, key, 3).append(value)
+            _bounded(self._device, key, lambda: deque(maxlen=3)).append(value)
             return value
         n = self.cfg.backward_forward_ratio.host_window_steps
-        recent = _recent(self._host, key, n)
+        recent = _bounded(self._host, key, lambda: deque(maxlen=n))
         recent.append((forward, backward))
         if len(recent) < n:
             return None
@@ -256,7 +256,7 @@ class Rules:
             if frozen is None:
                 if contended:
                     return self._contended("regression", report.step, wait, limit)
-                warm = self._warm.setdefault(key, [])
+                warm = _bounded(self._warm, key, list)
                 warm.append((observed, {s.site: s.impl for s in sites}))
                 if len(warm) >= cfg.window:
                     seconds = [x for x, _ in warm]
@@ -264,7 +264,7 @@ class Rules:
                     mad = statistics.median(abs(x - med) for x in seconds)
                     impls = {site: Counter(i[site] for _, i in warm).most_common(1)[0][0]
                              for site in warm[-1][1]}
-                    self._frozen[key] = (med, mad, impls)
+                    _bounded(self._frozen, key, lambda: (med, mad, impls))
                     del self._warm[key]
                 return self._calm_regression()
             expected, mad, impls = frozen
