@@ -11,7 +11,8 @@ import logging
 import operator
 import statistics
 from collections import Counter, deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from ..config import RulesConfig
 from ..steps.records import CallRecord, Flag, SiteSummary, StepReport, ratio, summarize
