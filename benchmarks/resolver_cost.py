@@ -6,19 +6,21 @@ wrapper per piece; nested pieces are inside their caller's figure): joining the 
 building the report, the rules, the sinks. Per step: the median over the steps, in µs. The
 resolver holds the GIL while it runs Python, and on a launch-bound step the training thread and
 the autograd engine's thread want it back all the time (benchmarks/BENCHMARKS.md, runs 67-69),
-so this is the list to shorten. (cProfile is not used: from Python 3.12 it profiles every
-thread at once.) With `--replay` the closed steps are held instead, and resolved afterwards on the
+so this is the list to shorten. (cProfile is not used for these figures: from Python 3.12 it
+profiles every thread at once; `--profile N` runs it on the replay, where one thread works.) With `--replay` the closed steps are held instead, and resolved afterwards on the
 main thread with nothing beside it: each piece's own cost, with no wait for the GIL in it, the
 figure to compare between commits. With `--inline` each step is resolved on the main thread at a
 later step boundary, between training steps, as the resolver's work would run in situ without a
 second thread: against `--replay`, what cold caches cost it. Usage:
 
-    python benchmarks/resolver_cost.py [--device cuda] [--steps 300] [--replay | --inline]
+    python benchmarks/resolver_cost.py [--device cuda] [--steps 300] [--replay [--profile N] | --inline]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import statistics
 import sys
 import time
@@ -66,6 +68,9 @@ def main() -> None:
     how = p.add_mutually_exclusive_group()
     how.add_argument("--replay", action="store_true",
                      help="hold the closed steps, then resolve them on this thread, alone")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="with --replay: also profile the replay (cProfile, one thread runs) and "
+                        "print its N costliest functions by own time")
     how.add_argument("--inline", action="store_true",
                      help="resolve each closed step on this thread at a later step boundary, "
                           "between training steps (overhead.py's fadiag_inline)")
@@ -94,8 +99,20 @@ def main() -> None:
         if args.replay:
             if args.device == "cuda":
                 torch.cuda.synchronize()  # every mark passed: no resolution waits
-            for closed in held[1:]:  # not the first: it learned the signatures
+            # Not the first step: it learned the signatures. With --profile the second half of
+            # the steps is replayed under cProfile, and only the first half gives the figures.
+            half = 1 + (len(held) - 1) // 2 if args.profile else len(held)
+            for closed in held[1:half]:
                 assert session.resolver._try_resolve(closed)
+            figures = {label: len(v) for label, v in times.items()}
+            if args.profile:
+                profile = cProfile.Profile()
+                profile.enable()
+                for closed in held[half:]:
+                    assert session.resolver._try_resolve(closed)
+                profile.disable()
+                for label, n in figures.items():
+                    del times[label][n:]
         if settle is not None:
             settle()
         session.flush(60)
@@ -111,6 +128,10 @@ def main() -> None:
         v = times[label]
         if v:
             print(f"  {label:32s} {statistics.median(v) * 1e6:8.1f}   x{len(v) / resolved:.2f}")
+    if args.replay and args.profile:
+        print(f"\nthe replay's second half under cProfile ({len(held) - half} steps; its own cost "
+              "inflates small functions most):")
+        pstats.Stats(profile).sort_stats("tottime").print_stats(args.profile)
 
 
 if __name__ == "__main__":
