@@ -674,10 +674,10 @@ def test_low_savings_a_short_sequence_explains_is_info_and_a_math_fallback_a_war
 def test_the_state_kept_per_shape_is_bounded_as_shapes_change(monkeypatch):
     """A padded batch's length changes the shape step to step: each new (site, impl, shape) key
     would keep its recent ratios, and each new set of a step's shapes its rolling-baseline window,
-    for good; the rules keep at most engine._KEYS of each, the oldest out."""
-    from fadiag.rules import engine
+    for good; the rules keep at most keyed.KEYS of each, the oldest out."""
+    from fadiag.rules import keyed
 
-    monkeypatch.setattr(engine, "_KEYS", 8)
+    monkeypatch.setattr(keyed, "KEYS", 8)
     device = _rules(device="NVIDIA H200", backward_forward_ratio={"warmup_steps": 0},
                     regression={"warmup_steps": 0, "window": 2})
     host = _rules(backward_forward_ratio={"warmup_steps": 0})
@@ -692,7 +692,8 @@ def test_the_state_kept_per_shape_is_bounded_as_shapes_change(monkeypatch):
     for kept, impl in ((device._device, "cudnn"), (host._host, "cpu_flash")):
         assert len(kept) <= 8 and ("m.py:1#0", impl, newest) in kept  # the oldest went first
         assert ("m.py:1#0", impl, (1, 2, 1001, 1001, 32)) not in kept
-    for kept in (device._frozen, device._warm):
+    regression = device.regression
+    for kept in (regression._frozen, regression._warm):
         assert 0 < len(kept) <= 8
-    assert frozenset({("m.py:1#0", newest, "bfloat16")}) in device._frozen
-    assert frozenset({("m.py:1#0", (1, 2, 5040, 5040, 32), "bfloat16")}) in device._warm
+    assert frozenset({("m.py:1#0", newest, "bfloat16")}) in regression._frozen
+    assert frozenset({("m.py:1#0", (1, 2, 5040, 5040, 32), "bfloat16")}) in regression._warm

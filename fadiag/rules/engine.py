@@ -9,37 +9,21 @@ from __future__ import annotations
 
 import logging
 import operator
-import statistics
-from collections import Counter, deque
-from collections.abc import Callable, Iterable, Sequence
-from typing import Any
+from collections import deque
+from collections.abc import Iterable, Sequence
 
 from ..config import RulesConfig
+from ..memory import scores_bytes
 from ..steps.records import CallRecord, Flag, SiteSummary, StepReport, ratio, summarize
 from .bands import band_for
 from .baseline import Baseline
 from .episodes import Episodes
-from .messages import band_label, memory_advice, memory_expected, ratio_advice, unfused_flex
+from .keyed import TOTAL, bounded
+from .messages import band_label, memory_advice, memory_expected, ratio_advice, site_text
+from .regression import Regression
 
 log = logging.getLogger("fadiag")
 _FORWARD, _BACKWARD = operator.itemgetter(0), operator.itemgetter(1)
-
-TOTAL = "*"
-"""The `site` of a flag about a whole step."""
-
-
-_KEYS = 4096
-"""Site or step keys whose state the rules keep, at most (a padded batch adds one per length)."""
-
-
-def _bounded(by_key: dict, key: object, make: Callable[[], Any]) -> Any:
-    """`by_key[key]`, made if new, evicting the oldest key past _KEYS."""
-    value = by_key.get(key)
-    if value is None:
-        if len(by_key) >= _KEYS:
-            del by_key[next(iter(by_key))]
-        value = by_key[key] = make()
-    return value
 
 
 def ratio_calls(calls: Iterable[CallRecord]) -> list[CallRecord]:
@@ -73,19 +57,11 @@ class Rules:
         self._episodes = Episodes(rank)
         self.active = self._episodes.active
         """Open episodes by (rule, site): the flag that opened each."""
-        self.baseline_seconds: float | None = None
-        """The baseline the last step was compared with (its sites, its key); None for a step
-        without one (the warm-up, or a shape still in its window)."""
-        self.regression_ratio: float | None = None
-        """The last step's attention seconds over that baseline; None for a step without one."""
+        self.regression = Regression(cfg.regression, device, baseline, self._contended_regression,
+                                     self._flag, self.active)
         self._evaluated = 0
         self._host: dict[object, deque[float]] = {}  # host-clock ratios, per site key
         self._device: dict[object, deque[float]] = {}  # device-clock ratios, the last 3, per key
-        self._warm: dict[object, list[tuple[float, dict[str, str]]]] = {}
-        self._frozen: dict[object, tuple[float, float, dict[str, str]]] = {}
-        self._over: deque[bool] = deque(maxlen=max(1, cfg.regression.consecutive))
-        self._over_since: float | None = None
-        self._baseline_warned = False
         self.contended_steps = {"backward_forward_ratio": 0, "regression": 0}
         """Host-clock steps a timing rule did not judge, by rule: the process's threads waited
         for a CPU more than the rule's max_cpu_wait of their runnable time."""
@@ -93,10 +69,17 @@ class Rules:
         self.host_bound_calls = 0
         """Calls the ratio rule left unjudged: their device windows may hold host time."""
         self._host_bound_warned = False
-        # (observed / expected, observed - expected - allowed) of the last three judged steps:
-        # ratios, so steps of different keys (shapes a run alternates between) compare.
-        self._recent: deque[tuple[float, float]] = deque(maxlen=3)
         self._last_step = 0
+
+    @property
+    def baseline_seconds(self) -> float | None:
+        """The baseline the last step was compared with; None for a step without one."""
+        return self.regression.baseline_seconds
+
+    @property
+    def regression_ratio(self) -> float | None:
+        """The last step's attention seconds over that baseline; None for a step without one."""
+        return self.regression.regression_ratio
 
     # ---- step rules ------------------------------------------------------------------------
 
@@ -107,20 +90,22 @@ class Rules:
         conditions: dict[tuple[str, str], Flag] = {}
         # Timing rules judge the steady state: not the calls that learned a signature.
         calls = [c for c in report.calls if not c.probe]
-        steady = summarize(calls)
+        judged = ratio_calls(calls)
+        if len(judged) < len(calls):  # host-bound calls: the ratio is judged on the others
+            device_sites = summarize(judged)
+            steady = summarize(calls, device_sites)
+        else:
+            device_sites = steady = summarize(calls)
         if self.cfg.backward_forward_ratio.enabled:
-            judged = ratio_calls(calls)
-            if len(judged) < len(calls):
+            if device_sites is not steady:
                 self._host_bound(len(calls) - len(judged), len(calls), report.step)
-                conditions.update(self._ratio(report, summarize(judged)))
-            else:
-                conditions.update(self._ratio(report, steady))
+            conditions.update(self._ratio(report, device_sites))
         if self.cfg.memory_savings.enabled:
             # Memory is judged on every call (a probe's kept bytes are its signature's).
             all_sites = steady if len(calls) == len(report.calls) else report.sites()
             conditions.update(self._memory(report, all_sites))
         if self.cfg.regression.enabled:
-            conditions.update(self._regression(report, steady))
+            conditions.update(self.regression.judge(report, steady, self._evaluated))
         out = self._episodes.update(conditions, rules=("backward_forward_ratio", "memory_savings",
                                                 "regression"), step=report.step)
         report.flags = [f for f in out if not f.cleared]
@@ -141,10 +126,10 @@ class Rules:
         if value is None:
             return value
         if not host:
-            _bounded(self._device, key, lambda: deque(maxlen=3)).append(value)
+            bounded(self._device, key, lambda: deque(maxlen=3)).append(value)
             return value
         n = self.cfg.backward_forward_ratio.host_window_steps
-        recent = _bounded(self._host, key, lambda: deque(maxlen=n))
+        recent = bounded(self._host, key, lambda: deque(maxlen=n))
         recent.append((forward, backward))
         if len(recent) < n:
             return None
@@ -222,103 +207,11 @@ class Rules:
                     "memory_savings", s.memory_savings, cfg.threshold, report.step, s.site, s,
                     memory_advice(s.memory_savings, cfg.threshold, s, _fallback(report, s), None,
                                   len(sites)), severity=severity)
-        for s, value, message in unfused_flex(report, sites, cfg.threshold):
+        for s, value, message in _unfused_flex(report, sites, cfg.threshold):
             site = s.site if self.cfg.per_site else TOTAL
             out.setdefault(("memory_savings", site), self._flag(
                 "memory_savings", value, cfg.threshold, report.step, site, s, message))
         return out
-
-    def _regression(self, report: StepReport, sites: list[SiteSummary]) -> dict[tuple[str, str], Flag]:
-        cfg = self.cfg.regression
-        self.regression_ratio = self.baseline_seconds = None
-        if self._evaluated <= cfg.warmup_steps or not sites:
-            return self._calm_regression()
-        # On the host clock a busier machine reads as slower attention: a step whose process
-        # waited for its CPUs is neither compared nor learned, only checked for an impl switch.
-        wait = report.cpu_wait
-        contended = (wait is not None and wait > cfg.max_cpu_wait
-                     and any(s.device == "cpu" for s in sites))
-        limit = cfg.max_cpu_wait
-        observed = sum(s.forward_seconds + s.backward_seconds for s in sites)
-        expected: float | None = None
-        spread = 0.0
-        changes: list[tuple[str, str, str]] = []
-        if self.baseline is not None:
-            match = self.baseline.expected(sites, self.device)
-            if match is not None:
-                observed, expected, changes = match.observed, match.expected, match.changes
-            elif not self._baseline_warned:
-                self._baseline_warned = True
-                log.warning("fadiag: baseline file matches no site of this run (device %s); "
-                            "using the rolling baseline instead", self.device)
-        if expected is None:
-            key = frozenset((s.site, s.shape, s.dtype) for s in sites)
-            frozen = self._frozen.get(key)
-            if frozen is None:
-                if contended:
-                    return self._contended("regression", report.step, wait, limit)
-                warm = _bounded(self._warm, key, list)
-                warm.append((observed, {s.site: s.impl for s in sites}))
-                if len(warm) >= cfg.window:
-                    seconds = [x for x, _ in warm]
-                    med = statistics.median(seconds)
-                    mad = statistics.median(abs(x - med) for x in seconds)
-                    impls = {site: Counter(i[site] for _, i in warm).most_common(1)[0][0]
-                             for site in warm[-1][1]}
-                    _bounded(self._frozen, key, lambda: (med, mad, impls))
-                    del self._warm[key]
-                return self._calm_regression()
-            expected, mad, impls = frozen
-            changes = [(s.site, impls[s.site], s.impl) for s in sites
-                       if impls.get(s.site, s.impl) != s.impl]
-            # A clean run on a noisy machine stays within a few MADs of its own warm-up.
-            spread = 3.0 * 1.4826 * mad
-        self.baseline_seconds = expected
-        self.regression_ratio = observed / expected if expected > 0.0 else None
-        if self.regression_ratio is None:
-            return self._calm_regression()
-        if contended and not changes:
-            return self._contended("regression", report.step, wait, limit)
-        # A median of the last three steps: one slow step (a GC pause, a neighbour's burst) is
-        # not a regression; a real slowdown lifts the median from its second step on.
-        self._recent.append((self.regression_ratio,
-                             observed - expected - max(spread, cfg.min_increase_seconds)))
-        value = statistics.median(r for r, _ in self._recent)
-        slower = value > 1.0 + cfg.tolerance and statistics.median(x for _, x in self._recent) > 0.0
-        # A switch of impl at the same shapes (flash to math: the fallback) is a regression in
-        # itself, whatever the time says.
-        over = slower or bool(changes)
-        self._over.append(over)
-        if not over:
-            self._over_since = None
-        elif self._over_since is None:
-            self._over_since = report.wall_time
-        sustained = (len(self._over) == self._over.maxlen and all(self._over)
-                     and self._over_since is not None
-                     and report.wall_time - self._over_since >= cfg.sustain_seconds)
-        if sustained:
-            worst = max(sites, key=lambda s: s.forward_seconds + s.backward_seconds, default=None)
-            if changes:
-                site, was, now = changes[0]
-                worst = next((s for s in sites if s.site == site), worst)
-                more = f" (and {len(changes) - 1} more sites)" if len(changes) > 1 else ""
-                head = (f"site {site} switched impl {was} → {now} at the baseline's shapes{more}; "
-                        f"attention {observed * 1e3:.2f} ms/step is {value:.2f}x its baseline "
-                        f"{expected * 1e3:.2f} ms")
-                tail = " — a silent fallback: see the memory flag and fadiag doctor for why"
-            else:
-                head = (f"attention {observed * 1e3:.2f} ms/step is {value:.2f}x its baseline "
-                        f"{expected * 1e3:.2f} ms (median of the last 3 steps' ratios)")
-                tail = (f"; largest site {worst.site} impl={worst.impl}" if worst else "") + (
-                    " — check for a backend change (fadiag doctor), a new shape, or a noisy "
-                    "neighbour")
-            msg = (f"{head} for {len(self._over)} steps over "
-                   f"{report.wall_time - (self._over_since or report.wall_time):.0f} s{tail}")
-            return {("regression", TOTAL): self._flag("regression", value, 1.0 + cfg.tolerance,
-                                                      report.step, TOTAL, worst, msg)}
-        if ("regression", TOTAL) in self.active and over:
-            return {("regression", TOTAL): self.active[("regression", TOTAL)]}
-        return {}
 
     def _host_bound(self, n: int, of: int, step: int) -> None:
         self.host_bound_calls += n
@@ -328,6 +221,10 @@ class Rules:
                      "nothing left to run (it waited for the host to queue them), so their "
                      "windows may hold host time; the ratio rule does not judge such calls "
                      "(counted in fadiag_attention_host_bound_calls_total)", step, self.rank, n, of)
+
+    def _contended_regression(self, step: int, wait: float | None,
+                              limit: float) -> dict[tuple[str, str], Flag]:
+        return self._contended("regression", step, wait, limit)
 
     def _contended(self, rule: str, step: int, wait: float | None,
                    limit: float) -> dict[tuple[str, str], Flag]:
@@ -342,11 +239,6 @@ class Rules:
                         "does not judge such steps (counted in fadiag_contended_steps_total)",
                         step, self.rank, 100 * (wait or 0.0), rule, 100 * limit, rule)
         return {k: f for k, f in self.active.items() if k[0] == rule}
-
-    def _calm_regression(self) -> dict[tuple[str, str], Flag]:
-        self._over.append(False)
-        self._over_since = None
-        return {}
 
     # ---- hang ------------------------------------------------------------------------------
 
@@ -398,3 +290,31 @@ def _fallback(report: StepReport, s: SiteSummary | None) -> str | None:
     """Why a site's calls fell back to the math path, where one said."""
     return next((c.fallback_reason for c in report.calls
                  if s is not None and c.site == s.site and c.fallback_reason), None)
+
+
+def _unfused_flex(report: StepReport, sites: list[SiteSummary],
+                 threshold: float) -> list[tuple[SiteSummary, float, str]]:
+    """Eager flex_attention sites whose materialized scores fall below the savings threshold.
+
+    The unfused path keeps only O and logsumexp for backward, but materializes the score matrix
+    in each pass; it is judged on that: the allocator's peak, or at least one fp32 matrix where
+    the device has no allocator figures (CPU)."""
+    out = []
+    for s in sites:
+        if s.impl != "flex_unfused" or s.calls == 0 or s.standard_bytes <= 0:
+            continue
+        peaks = [c.peak_bytes for c in report.calls if c.site == s.site and c.peak_bytes]
+        b, h, sq, sk, _ = s.shape
+        materialized = max(peaks) if peaks else scores_bytes(b, h, sq, sk,
+                                                             8 if s.dtype == "float64" else 4)
+        value = 1.0 - materialized / (s.standard_bytes / s.calls)
+        if value >= threshold:
+            continue
+        how = ("the allocator's peak" if peaks else
+               "at least one fp32 matrix: this device reports no allocator peak")
+        out.append((s, value, (
+            f"memory savings {value:.1%} < {threshold:.0%}{site_text(s, None, len(sites))} — "
+            "flex_attention ran without torch.compile, so it materializes [B,H,Sq,Sk] scores "
+            f"({materialized / 2**20:.3g} MiB a call, {how}) in each pass: wrap it with "
+            "torch.compile (torch.compile(flex_attention)) to run the fused kernel")))
+    return out

@@ -7,8 +7,7 @@ short sequence, an op that keeps more than it must, flex_attention run unfused).
 
 from __future__ import annotations
 
-from ..memory import scores_bytes
-from ..steps.records import SiteSummary, StepReport
+from ..steps.records import SiteSummary
 from .bands import band_for
 
 _FUSED = ("flash", "cudnn", "cpu_flash", "flash_attn", "npu_fusion", "overrideable", "flex")
@@ -103,31 +102,3 @@ def memory_advice(m: float, threshold: float, s: SiteSummary | None, reason: str
     else:
         why = f" — {s.impl} keeps more than O and logsumexp for backward: check what it saves"
     return head + where + why
-
-
-def unfused_flex(report: StepReport, sites: list[SiteSummary],
-                 threshold: float) -> list[tuple[SiteSummary, float, str]]:
-    """Eager flex_attention sites whose materialized scores fall below the savings threshold.
-
-    The unfused path keeps only O and logsumexp for backward, but materializes the score matrix
-    in each pass; it is judged on that: the allocator's peak, or at least one fp32 matrix where
-    the device has no allocator figures (CPU)."""
-    out = []
-    for s in sites:
-        if s.impl != "flex_unfused" or s.calls == 0 or s.standard_bytes <= 0:
-            continue
-        peaks = [c.peak_bytes for c in report.calls if c.site == s.site and c.peak_bytes]
-        b, h, sq, sk, _ = s.shape
-        materialized = max(peaks) if peaks else scores_bytes(b, h, sq, sk,
-                                                             8 if s.dtype == "float64" else 4)
-        value = 1.0 - materialized / (s.standard_bytes / s.calls)
-        if value >= threshold:
-            continue
-        how = ("the allocator's peak" if peaks else
-               "at least one fp32 matrix: this device reports no allocator peak")
-        out.append((s, value, (
-            f"memory savings {value:.1%} < {threshold:.0%}{site_text(s, None, len(sites))} — "
-            "flex_attention ran without torch.compile, so it materializes [B,H,Sq,Sk] scores "
-            f"({materialized / 2**20:.3g} MiB a call, {how}) in each pass: wrap it with "
-            "torch.compile (torch.compile(flex_attention)) to run the fused kernel")))
-    return out
