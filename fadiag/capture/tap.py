@@ -256,24 +256,23 @@ class Tap:
         linked call with no record is marked aborted and counted. The others become the
         recorder's `Call`s, in forward order, as `_compiled` names them.
         """
-        rows = batch.rows() if batch is not None else []
         compiled = []
         later = self._later
-        for r in rows:
-            if r[18]:
-                later[r[18]] = r
-            else:
-                compiled.append(r)
+        if batch is not None:
+            for r in batch.links():  # (link, f0, f1, b0, b1, cuda, graph_backward)
+                later[r[0]] = r
+            compiled = batch.rows()
         missing = 0
+        timers = self.timers
         for call in linked:
             r = later.pop(call.link, None)
             if r is None:
                 call.aborted = True
                 missing += 1
                 continue
-            call.timer = self.timers["cuda" if r[17] else "cpu"]
+            call.timer = timers["cuda" if r[5] else "cpu"]
             call.fwd0, call.fwd1, call.bwd0, call.bwd1 = r[1], r[2], r[3], r[4]
-            call.graph_backward = r[19]
+            call.graph_backward = r[6]
         self.unrecorded += missing
         self._forget_later()
         before = self.no_grad
@@ -287,7 +286,7 @@ class Tap:
     def discard(self, batch: Any, call_class: Any) -> None:
         """A cut in which nothing trained (evaluation, steps.record_no_grad off), on the training
         thread: its forwards counted as no_grad and their marks given back."""
-        self._compiled([r for r in batch.rows() if not r[18]], call_class)
+        self._compiled(batch.rows(), call_class)
 
     def _forget_later(self) -> None:
         """Linked records no call claimed in _LATER_STEPS resolutions (their call was cut off by
@@ -298,7 +297,7 @@ class Tap:
         stale = [k for k in self._later if k <= self._claimed_below]
         for k in stale:
             r = self._later.pop(k)
-            self.timers["cuda" if r[17] else "cpu"].release(r[1], r[2], r[3], r[4])
+            self.timers["cuda" if r[5] else "cpu"].release(r[1], r[2], r[3], r[4])
         self._claimed_below = max(self._later, default=self._claimed_below)
 
     def _compiled(self, rows: list[Any], call_class: Any) -> list[Any]:

@@ -192,10 +192,12 @@ class TapState {
     records.clear();
   }
 
-  // Records as tuples (see Tap.calls in fadiag/capture/tap.py), on the resolver thread.
+  // Compiled code's records (no link) as tuples (see Tap._compiled in fadiag/capture/tap.py),
+  // on the resolver thread.
   static py::list rows(const std::vector<Record>& records) {
     py::list out;
     for (const Record& r : records) {
+      if (r.link != 0) continue;
       py::object dtype = py::reinterpret_borrow<py::object>(
           reinterpret_cast<PyObject*>(torch::getTHPDtype(r.dtype)));
       out.append(py::make_tuple(
@@ -205,6 +207,21 @@ class TapState {
           c10::DeviceTypeName(r.device_type, /*lower_case=*/true), r.device_index, r.causal,
           r.dropout, r.scale, r.recompute, r.phase,
           r.kept < 0 ? py::object(py::none()) : py::object(py::int_(r.kept)), r.cuda, r.link,
+          r.graph_backward));
+    }
+    return out;
+  }
+
+  // The wrapper's records (linked) as what its calls need of them: (link, forward start, forward
+  // end, backward start, backward end, cuda, graph_backward), a backward mark None where none
+  // was taken. The wrapper knows the rest (Tap.calls).
+  static py::list links(const std::vector<Record>& records) {
+    py::list out;
+    for (const Record& r : records) {
+      if (r.link == 0) continue;
+      out.append(py::make_tuple(
+          r.link, r.f0, r.f1, r.b0 < 0 ? py::object(py::none()) : py::object(py::int_(r.b0)),
+          r.b1 < 0 ? py::object(py::none()) : py::object(py::int_(r.b1)), r.cuda,
           r.graph_backward));
     }
     return out;
@@ -786,7 +803,8 @@ void bind_tap(py::module_& m) {
              }
              return false;
            })
-      .def("rows", [](const Batch& b) { return TapState::rows(b.records); });
+      .def("rows", [](const Batch& b) { return TapState::rows(b.records); })
+      .def("links", [](const Batch& b) { return TapState::links(b.records); });
   py::class_<Tap>(m, "Tap")
       .def(py::init<std::shared_ptr<Pool>, std::shared_ptr<Pool>, int64_t>(), py::arg("cpu"),
            py::arg("cuda"), py::arg("max_records"))
