@@ -612,7 +612,21 @@ def overview() -> dict:
             "them), by rank. Anything above 0 is worth a bug report with the log.",
             [target(f"sum by ({BY_RANK}) (rate(fadiag_internal_errors_total{{{SEL}}}[{RATE}]))", "rank {{rank}}")],
             unit="ops",
-            w=24,
+            w=12,
+            h=6,
+            min_=0,
+        ),
+        timeseries(
+            "fadiag's resolver CPU per step",
+            "CPU time of fadiag's resolver thread (marks to seconds, the reports, the rules, the "
+            "sinks) per resolved step, by rank: fadiag's own cost beside training. Where the host "
+            "is the bottleneck (a launch-bound step) it adds to the step time; set "
+            "sampling.every_n_steps there.",
+            [target(f"sum by ({BY_RANK}) (rate(fadiag_resolver_cpu_seconds_total{{{SEL}}}[{RATE}]))\n"
+                    f"  / sum by ({BY_RANK}) (rate(fadiag_steps_total{{{SEL}}}[{RATE}]))",
+                    "rank {{rank}}")],
+            unit="s",
+            w=12,
             h=6,
             min_=0,
         ),

@@ -203,6 +203,7 @@ class Session:
 
     def _on_tick(self, oldest_inflight: float) -> None:
         self.metrics.oldest_inflight_seconds = oldest_inflight
+        self.metrics.resolver_cpu_seconds = self.resolver.cpu_seconds
         rec = self.recorder
         for reason, total in rec.unmeasured_totals().items():
             self.metrics.set_uninstrumented(reason, total)
@@ -244,7 +245,9 @@ class Session:
     def flush(self, timeout: float = 10.0) -> bool:
         """Close the current step and wait until every step so far is resolved."""
         self.recorder.boundary("manual")
-        return self.resolver.flush(timeout)
+        done = self.resolver.flush(timeout)
+        self.metrics.resolver_cpu_seconds = self.resolver.cpu_seconds
+        return done
 
     def save_baseline(self, path: str | os.PathLike[str], skip: int = 10) -> None:
         """Write this session's history as a baseline file for the regression rule."""

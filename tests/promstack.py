@@ -83,6 +83,7 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
         ("fadiag_flag_active", "gauge", {"rank", "rule", "severity"}),
         ("fadiag_attention_oldest_inflight_seconds", "gauge", {"rank"}),
         ("fadiag_internal_errors_total", "counter", {"rank"}),
+        ("fadiag_resolver_cpu_seconds_total", "counter", {"rank"}),
         ("fadiag_last_step_timestamp_seconds", "gauge", {"rank"}),
         ("fadiag_build_info", "gauge", {"version", "torch", "device"}),
         ("fadiag_run_info", "gauge", {"rank", "run_id", "world_size", "hostname", "device_name"}),

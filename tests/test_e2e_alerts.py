@@ -163,12 +163,13 @@ class StandInExporter:
             g = GaugeMetricFamily(name, "Stand-in.", labels=["rank"])
             g.add_metric([rank], value)
             yield g
-        counters: list[tuple[str, list[str], dict[tuple[str, ...], int]]] = [
+        counters: list[tuple[str, list[str], dict[tuple[str, ...], float]]] = [
             ("fadiag_steps", ["rank"], {(rank,): steps}),
             ("fadiag_attention_calls", ["rank", "impl"], {(rank, p.impl): steps * len(SITES)}),
             ("fadiag_attention_host_bound_calls", ["rank", "impl"], {(rank, p.impl): 0}),
             ("fadiag_attention_uninstrumented_calls", ["rank", "reason"], {(rank, "sampling"): 0}),
             ("fadiag_internal_errors", ["rank"], {(rank,): 0}),
+            ("fadiag_resolver_cpu_seconds", ["rank"], {(rank,): steps * 1e-4}),  # 100 µs a step
             # One flag episode every 5 s on the flagged rules: the memory rule keeps re-firing.
             ("fadiag_flags", ["rank", "rule"], {(rank, r): steps // 50 if r in p.flagged else 0 for r in FLAG_RULES}),
         ]

@@ -35,6 +35,7 @@ CONTRACT = {
     "fadiag_flags": "counter",
     "fadiag_attention_oldest_inflight_seconds": "gauge",
     "fadiag_internal_errors": "counter",
+    "fadiag_resolver_cpu_seconds": "counter",
     "fadiag_build_info": "gauge",
 }
 
@@ -86,6 +87,18 @@ def test_the_regression_ratio_is_served_once_a_baseline_exists():
     assert sample.labels == {"rank": "0"} and sample.value == s.rules.regression_ratio
     last = s.last_step()
     assert sample.value == pytest.approx(last.attention_seconds / s.rules.baseline_seconds)
+
+
+def test_the_resolver_threads_cpu_time_is_served_and_grows_with_the_steps_it_resolves():
+    s = fadiag.attach(port=0)
+    train(GPT(layers=2), steps=3)
+    assert s.flush(10)
+    [first] = families(scrape(s.port))["fadiag_resolver_cpu_seconds"].samples
+    assert first.labels == {"rank": "0"} and first.value > 0.0
+    train(GPT(layers=2), steps=3)
+    assert s.flush(10)
+    [then] = families(scrape(s.port))["fadiag_resolver_cpu_seconds"].samples
+    assert then.value > first.value
 
 
 @pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed")

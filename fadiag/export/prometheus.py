@@ -103,6 +103,7 @@ class Metrics(Sink):
         self.regression_ratio: float | None = None
         self.contended_steps: dict[str, int] = {}
         self.oldest_inflight_seconds = 0.0
+        self.resolver_cpu_seconds = 0.0
         self.errors = 0
         if registry is not None:
             registry.register(self)
@@ -231,6 +232,14 @@ class Metrics(Sink):
         c = CounterMetricFamily("fadiag_internal_errors", "Errors inside fadiag (training unaffected).",
                                 labels=["rank"])
         c.add_metric([r], self.errors)
+        yield c
+        c = CounterMetricFamily("fadiag_resolver_cpu_seconds",
+                                "CPU time of fadiag's resolver thread (marks to seconds, the "
+                                "reports, the rules, the sinks): its own cost beside training; "
+                                "over fadiag_steps_total, per step. Where the host is the "
+                                "bottleneck (a launch-bound step) it is step time too.",
+                                labels=["rank"])
+        c.add_metric([r], self.resolver_cpu_seconds)
         yield c
         yield _gauge("fadiag_attention_oldest_inflight_seconds",
                      "Age of the oldest attention call the device has not finished.", r,

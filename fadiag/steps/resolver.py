@@ -51,6 +51,9 @@ class Resolver:
         self.rank = rank
         self.history: collections.deque[StepReport] = collections.deque(maxlen=history)
         self.oldest_inflight_seconds = 0.0
+        self.cpu_seconds = 0.0
+        """This thread's CPU time so far: fadiag's own cost beside training, read at each tick and
+        before each flush() is answered (the training thread's share, µs a call, is not in it)."""
         self.step_peak_bytes: int | None = None
         self._open_calls = open_calls
         self._on_report = on_report
@@ -136,6 +139,7 @@ class Resolver:
                 while self._pending:
                     head = self._pending[0]
                     if isinstance(head, threading.Event):  # a flush() waiting for the steps before
+                        self.cpu_seconds = time.thread_time()
                         head.set()
                         self._pending.popleft()
                         continue
@@ -308,6 +312,7 @@ class Resolver:
         return self._rss
 
     def _tick(self) -> None:
+        self.cpu_seconds = time.thread_time()
         now_ns = time.monotonic_ns()
         oldest = 0
         calls = self._open_calls()
