@@ -3,13 +3,22 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 import torch
+from hypothesis import settings
 
 import fadiag
 from fadiag import session as session_mod
 from fadiag.export import log as log_sink
+
+# The property tests (tests/test_config.py) draw the same examples every run: a suite that must
+# not flake cannot fail on an input it happens to find on an unrelated commit. HYPOTHESIS_PROFILE=
+# explore draws new ones, to look for bad inputs on purpose (a find becomes an @example).
+settings.register_profile("repeatable", derandomize=True)
+settings.register_profile("explore", max_examples=2000)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "repeatable"))
 
 
 @pytest.fixture(autouse=True)

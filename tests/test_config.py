@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import yaml
-from hypothesis import given, settings
+from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from fadiag.config import Config, ExporterConfig, HangRuleConfig
@@ -706,8 +706,14 @@ def test_any_yaml_document_gives_a_config_or_a_config_error(fuzz_dir, document):
 
 @_FUZZ
 @given(document=_documents | _schema_documents())
+@example(document="\x00")  # a string is a file name: one with a NUL byte raised ValueError
 def test_any_mapping_gives_a_config_or_a_config_error(document):
     _loads_or_config_error(document)
+
+
+def test_a_file_name_with_a_nul_byte_is_a_config_error_that_names_it():
+    with pytest.raises(ConfigError, match="not a configuration file name"):
+        load_config("fadiag\x00.yaml", environ=NO_ENV)
 
 
 @_FUZZ

@@ -174,6 +174,8 @@ def _read_yaml(path: str | os.PathLike[str], note: str = "") -> list[_Layer]:
         return failed(f"configuration file is not UTF-8 text: {e.reason} at byte {e.start}{note}")
     except OSError as e:
         return failed(f"cannot read the configuration file: {e.strerror or e}{note}")
+    except ValueError as e:  # a name no file can have: a NUL byte in it
+        return failed(f"not a configuration file name ({e}){note}")
     try:
         loader = yaml.SafeLoader(text)
     except yaml.YAMLError as e:  # a character YAML does not allow
