@@ -263,14 +263,13 @@ class Tap:
                 later[r[0]] = r
             compiled = batch.rows()
         missing = 0
-        timers = self.timers
         for call in linked:
             r = later.pop(call.link, None)
             if r is None:
                 call.aborted = True
                 missing += 1
                 continue
-            call.timer = timers["cuda" if r[5] else "cpu"]
+            call.timer = self.timers["cuda" if r[5] else "cpu"]
             call.fwd0, call.fwd1, call.bwd0, call.bwd1 = r[1], r[2], r[3], r[4]
             call.graph_backward = r[6]
         self.unrecorded += missing

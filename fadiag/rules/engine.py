@@ -7,6 +7,7 @@ cleared when it ends, so a sink hears of a problem once.
 
 from __future__ import annotations
 
+import functools
 import logging
 import operator
 from collections import deque
@@ -53,12 +54,12 @@ class Rules:
         self.cfg = cfg
         self.device = device
         self.rank = rank
-        self.baseline = baseline
         self._episodes = Episodes(rank)
         self.active = self._episodes.active
         """Open episodes by (rule, site): the flag that opened each."""
-        self.regression = Regression(cfg.regression, device, baseline, self._contended_regression,
-                                     self._flag, self.active)
+        self.regression = Regression(cfg.regression, device, baseline,
+                                     functools.partial(self._contended, "regression"), self._flag,
+                                     self.active)
         self._evaluated = 0
         self._host: dict[object, deque[float]] = {}  # host-clock ratios, per site key
         self._device: dict[object, deque[float]] = {}  # device-clock ratios, the last 3, per key
@@ -221,10 +222,6 @@ class Rules:
                      "nothing left to run (it waited for the host to queue them), so their "
                      "windows may hold host time; the ratio rule does not judge such calls "
                      "(counted in fadiag_attention_host_bound_calls_total)", step, self.rank, n, of)
-
-    def _contended_regression(self, step: int, wait: float | None,
-                              limit: float) -> dict[tuple[str, str], Flag]:
-        return self._contended("regression", step, wait, limit)
 
     def _contended(self, rule: str, step: int, wait: float | None,
                    limit: float) -> dict[tuple[str, str], Flag]:

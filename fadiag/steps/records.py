@@ -305,39 +305,32 @@ def summarize(calls: list[CallRecord],
     """Per-site totals of `calls`, in first-call order (a recomputation adds its backward, and its
     forward to `recompute_forward_seconds`; a site with host-bound calls also gets its
     `device_bound` summary, which its ratio is). `device_bound`: those summaries where the caller
-    already has them (`summarize` of the calls that are not host-bound), not made again.
-
-    It runs on every step, several times, on the resolver thread: hence the plain loop."""
+    already has them (`summarize` of the calls that are not host-bound), not made again."""
     by_site: dict[str, SiteSummary] = {}
-    sparsity: dict[str, list[float]] | None = None
+    sparsity: dict[str, list[float]] = {}
     host_bound = False
-    get = by_site.get
     for c in calls:
-        site = c.site
-        s = get(site)
+        s = by_site.get(c.site)
         if s is None:
-            s = by_site[site] = SiteSummary(site, c.impl, c.shape, c.dtype, 0, 0.0, 0.0, 0, 0,
-                                            c.device)
-        if (c.forward_host_seconds or c.backward_host_seconds) and c.host_bound:
+            s = by_site[c.site] = SiteSummary(c.site, c.impl, c.shape, c.dtype, 0, 0.0, 0.0, 0, 0,
+                                              c.device)
+        if c.host_bound:
             s.host_bound += 1
             host_bound = True
-        if c.recompute:
-            s.recomputes += 1
-            s.recompute_forward_seconds += c.forward_seconds
-        else:
+        if not c.recompute:
             s.calls += 1
             s.forward_seconds += c.forward_seconds
             s.standard_bytes += c.standard_bytes
             if s.kept_bytes is not None:
                 s.kept_bytes = None if c.kept_bytes is None else s.kept_bytes + c.kept_bytes
             if c.sparsity is not None:
-                if sparsity is None:
-                    sparsity = {}
-                sparsity.setdefault(site, []).append(c.sparsity)
+                sparsity.setdefault(c.site, []).append(c.sparsity)
+        else:
+            s.recomputes += 1
+            s.recompute_forward_seconds += c.forward_seconds
         s.backward_seconds += c.backward_seconds
-    if sparsity is not None:
-        for site, values in sparsity.items():
-            by_site[site].sparsity = sum(values) / len(values)
+    for site, values in sparsity.items():
+        by_site[site].sparsity = sum(values) / len(values)
     if host_bound:
         if device_bound is None:
             device_bound = summarize([c for c in calls if not c.host_bound])
