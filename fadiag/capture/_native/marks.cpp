@@ -148,25 +148,27 @@ class Marks {
   // 0 when it did not run (or was not hooked), -1 when it ran while a CUDA graph captured the
   // stream (its marks refused: the kernels run at the graph's replays, unseen), both NaN for a
   // call whose forward marks failed (counted as errors when they did); then the host ns each
-  // window may hold (Pool::held_host_ns). Both ends of a pair are queried before its elapsed
-  // time is read.
+  // window may hold (Pool::held_host_ns). One CUDA call a window: its elapsed time, which says
+  // whether the device has passed both ends (Pool::elapsed_if_done).
   std::optional<std::vector<double>> seconds(const std::vector<int64_t>& slots,
                                              bool give_up_open_backward) {
     TORCH_CHECK(slots.size() % 4 == 0, "fadiag marks: four slots per call");
     const size_t calls = slots.size() / 4;
-    std::vector<bool> backward(calls, false);
-    std::vector<bool> failed(calls, false);
-    std::vector<bool> captured(calls, false);
+    std::vector<double> out(4 * calls, 0.0);
     for (size_t i = 0; i < calls; ++i) {
+      double* o = &out[4 * i];
       const int64_t f0 = slots[4 * i], f1 = slots[4 * i + 1];
       const int64_t b0 = slots[4 * i + 2], b1 = slots[4 * i + 3];
       if (!pool_->recorded(f0) || !pool_->recorded(f1)) {
-        failed[i] = true;
+        o[0] = o[1] = std::numeric_limits<double>::quiet_NaN();
         continue;
       }
-      if (!pool_->done(f0) || !pool_->done(f1)) return std::nullopt;
+      const std::optional<double> forward = pool_->elapsed_if_done(f0, f1);
+      if (!forward) return std::nullopt;
+      o[0] = *forward;
+      o[2] = static_cast<double>(pool_->held_host_ns(f0, f1));
       if (pool_->in_capture(b0) || pool_->in_capture(b1)) {
-        captured[i] = true;
+        o[1] = -1.0;
         continue;
       }
       if (b0 < 0 || !pool_->recorded(b0)) continue;
@@ -174,25 +176,10 @@ class Marks {
         if (!give_up_open_backward) return std::nullopt;
         continue;
       }
-      if (!pool_->done(b0) || !pool_->done(b1)) return std::nullopt;
-      backward[i] = true;
-    }
-    std::vector<double> out(4 * calls, 0.0);
-    for (size_t i = 0; i < calls; ++i) {
-      double* o = &out[4 * i];
-      const int64_t* m = &slots[4 * i];
-      if (failed[i]) {
-        o[0] = o[1] = std::numeric_limits<double>::quiet_NaN();
-        continue;
-      }
-      o[0] = pool_->elapsed(m[0], m[1]);
-      o[2] = static_cast<double>(pool_->held_host_ns(m[0], m[1]));
-      if (captured[i]) {
-        o[1] = -1.0;
-      } else if (backward[i]) {
-        o[1] = pool_->elapsed(m[2], m[3]);
-        o[3] = static_cast<double>(pool_->held_host_ns(m[2], m[3]));
-      }
+      const std::optional<double> backward = pool_->elapsed_if_done(b0, b1);
+      if (!backward) return std::nullopt;
+      o[1] = *backward;
+      o[3] = static_cast<double>(pool_->held_host_ns(b0, b1));
     }
     return out;
   }

@@ -17,6 +17,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
+#include <optional>
 #include <vector>
 
 #ifdef FADIAG_CUDA
@@ -233,6 +234,25 @@ class Pool {
       TORCH_CHECK(false, "cudaEventElapsedTime: ", cudaGetErrorString(r));
     }
     return static_cast<double>(ms) * 1e-3;
+#else
+    return 0.0;
+#endif
+  }
+
+  // Seconds between two recorded marks, or nullopt while the device has not passed both: one
+  // CUDA call, as cudaEventElapsedTime answers cudaErrorNotReady then (no query made first).
+  std::optional<double> elapsed_if_done(int64_t a, int64_t b) {
+    Slot* sa = at(a);
+    Slot* sb = at(b);
+    TORCH_CHECK(sa != nullptr && sb != nullptr, "unknown fadiag mark");
+    if (!cuda_) return static_cast<double>(sb->host_ns - sa->host_ns) * 1e-9;
+#ifdef FADIAG_CUDA
+    float ms = 0.0f;
+    const cudaError_t r = cudaEventElapsedTime(&ms, sa->event, sb->event);
+    if (r == cudaSuccess) return static_cast<double>(ms) * 1e-3;
+    cudaGetLastError();
+    TORCH_CHECK(r == cudaErrorNotReady, "cudaEventElapsedTime: ", cudaGetErrorString(r));
+    return std::nullopt;
 #else
     return 0.0;
 #endif
