@@ -138,6 +138,10 @@ def variant(name: str, model: nn.Module):
             overrides["tap"] = "off"
         if name == "fadiag_burst":
             resolver_module._BATCH_S = 1.0
+        if name.startswith("fadiag_wake_"):
+            # The resolver wakes every N s, not every _BATCH_S (0.1 s): more steps resolved a
+            # wake, back to back in its backward windows, with the caches they share still warm.
+            resolver_module._BATCH_S = float(name.rpartition("_")[2])
         session = fadiag.attach(**overrides)
         if name == "fadiag_no_report":
             # The resolver waits for the marks and gives them back, and builds no report (no
