@@ -136,6 +136,7 @@ class Resolver:
             except queue.Empty:
                 pass
             try:
+                windowed = True  # until a wait for a backward window gives up, in this pass
                 while self._pending:
                     head = self._pending[0]
                     if isinstance(head, threading.Event):  # a flush() waiting for the steps before
@@ -143,7 +144,8 @@ class Resolver:
                         head.set()
                         self._pending.popleft()
                         continue
-                    self._await_window()
+                    if windowed:
+                        windowed = self._await_window()
                     if not self._try_resolve(head):
                         break
                     self._pending.popleft()
@@ -165,8 +167,9 @@ class Resolver:
                     else:
                         dropped.set()
 
-    def _await_window(self) -> None:
-        """With native marks, wait for a backward window before resolving a step.
+    def _await_window(self) -> bool:
+        """With native marks, wait for a backward window before resolving a step; False when the
+        wait gave up (or there is no window to wait for).
 
         While a hooked backward runs, the training thread is blocked in backward() with the GIL
         released and the native hooks take none, so a step resolved then takes the least from
@@ -176,19 +179,22 @@ class Resolver:
         each in an open window: one that ran past its window would hold the GIL the training
         thread wants back (resolving whatever is pending at each wake instead read +11.1 % on the
         launch-bound step against +9.0 % with the window, run 74). The wait holds no GIL; it
-        gives up _DEFER_S after the oldest pending step closed (evaluation, the end of training, a
-        long step), or when flush() or stop() asks: they end it at once (wake_window).
+        gives up after _DEFER_S without a window (evaluation, the end of training, a long step),
+        and the pass then resolves the rest of what is pending without waiting again; flush() and
+        stop() end it at once (wake_window).
         """
         t = self._window_timer()
         if t is None:
-            return
-        head = self._pending[0]
-        assert isinstance(head, ClosedStep)
-        deadline = head.closed + _DEFER_S
-        while not (self._stop.is_set() or self._hurry.is_set() or t.window()):
+            return False
+        deadline = time.monotonic() + _DEFER_S
+        while not (self._stop.is_set() or self._hurry.is_set()):
+            if t.window():
+                return True
             left = deadline - time.monotonic()
-            if left <= 0 or t.wait_window(min(left, _BATCH_S)):
-                return
+            if left <= 0:
+                return False
+            t.wait_window(min(left, _BATCH_S))
+        return False
 
     def _window_timer(self) -> Any:
         """The native timer whose backward window to wait for: the accelerator's where it takes
