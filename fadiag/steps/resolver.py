@@ -1,6 +1,7 @@
 """The resolver thread: waits for the device to pass each closed step's marks, then reports.
 
-It turns marks into seconds without a host sync (`query()` first, `elapsed_time` after), builds
+It turns marks into seconds without a host sync (Python marks: `query()` first, `elapsed_time`
+after; native CUDA marks: the elapsed time alone, which answers not-ready until then), builds
 the StepReport, runs the rules, feeds the sinks, and keeps the hang signal current.
 """
 
@@ -26,10 +27,13 @@ graph captured the stream: no mark can be taken there, and the work runs at each
 
 _POLL_S = 0.02
 """How often the thread looks again while flush() waits for marks the device has not passed."""
-_BATCH_S = 0.1
-"""How often it looks otherwise: closed steps are resolved in batches."""
+_BATCH_S = 0.5
+"""How often it looks otherwise: closed steps are resolved in batches, back to back while the
+caches their work shares are warm. On the launch-bound step a wake every 0.5 s took 139 µs of the
+resolver's CPU a step against 177 with a wake every 0.1 s (BENCHMARKS.md, run 86); a report
+reaches the sinks up to a second after its step."""
 _DEFER_S = 0.5
-"""With native marks a closed step waits, at most this long, for a backward window."""
+"""With native marks a pass waits, at most this long, for a backward window."""
 _TICK_S = 0.5
 _BACKWARD_GRACE_S = 5.0
 _RSS_EVERY_S = 0.5
@@ -136,19 +140,7 @@ class Resolver:
             except queue.Empty:
                 pass
             try:
-                windowed = True  # until a wait for a backward window gives up, in this pass
-                while self._pending:
-                    head = self._pending[0]
-                    if isinstance(head, threading.Event):  # a flush() waiting for the steps before
-                        self.cpu_seconds = time.thread_time()
-                        head.set()
-                        self._pending.popleft()
-                        continue
-                    if windowed:
-                        windowed = self._await_window()
-                    if not self._try_resolve(head):
-                        break
-                    self._pending.popleft()
+                self._resolve_pending()
                 now = time.monotonic()
                 if now >= self._next_tick:
                     self._next_tick = now + _TICK_S
@@ -166,6 +158,22 @@ class Resolver:
                         self._release(dropped.calls)
                     else:
                         dropped.set()
+
+    def _resolve_pending(self) -> None:
+        """One pass: resolve pending steps in order until one the device has not passed."""
+        windowed = True  # until a wait for a backward window gives up, in this pass
+        while self._pending:
+            head = self._pending[0]
+            if isinstance(head, threading.Event):  # a flush() waiting for the steps before
+                self.cpu_seconds = time.thread_time()
+                head.set()
+                self._pending.popleft()
+                continue
+            if windowed:
+                windowed = self._await_window()
+            if not self._try_resolve(head):
+                break
+            self._pending.popleft()
 
     def _await_window(self) -> bool:
         """With native marks, wait for a backward window before resolving a step; False when the
