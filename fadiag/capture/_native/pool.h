@@ -222,21 +222,9 @@ class Pool {
 
   // Seconds between two done marks; call only after done() was true for both.
   double elapsed(int64_t a, int64_t b) {
-    Slot* sa = at(a);
-    Slot* sb = at(b);
-    TORCH_CHECK(sa != nullptr && sb != nullptr, "unknown fadiag mark");
-    if (!cuda_) return static_cast<double>(sb->host_ns - sa->host_ns) * 1e-9;
-#ifdef FADIAG_CUDA
-    float ms = 0.0f;
-    cudaError_t r = cudaEventElapsedTime(&ms, sa->event, sb->event);
-    if (r != cudaSuccess) {
-      cudaGetLastError();
-      TORCH_CHECK(false, "cudaEventElapsedTime: ", cudaGetErrorString(r));
-    }
-    return static_cast<double>(ms) * 1e-3;
-#else
-    return 0.0;
-#endif
+    const std::optional<double> s = elapsed_if_done(a, b);
+    TORCH_CHECK(s.has_value(), "cudaEventElapsedTime: the device has not passed both marks");
+    return *s;
   }
 
   // Seconds between two recorded marks, or nullopt while the device has not passed both: one
