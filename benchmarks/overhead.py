@@ -25,7 +25,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from marks_first import marks_first  # noqa: E402
 
 import fadiag  # noqa: E402
-from fadiag.capture.timers import NativeTimer  # noqa: E402
 from fadiag.steps import resolver as resolver_module  # noqa: E402
 
 
@@ -144,10 +143,6 @@ def variant(name: str, model: nn.Module):
             # resolved a wake, back to back in its backward windows.
             resolver_module._BATCH_S = float(name.rpartition("_")[2])
         session = fadiag.attach(**overrides)
-        if name == "fadiag_gil_held":
-            # The resolver keeps the GIL while it reads a step's seconds and allocator figures
-            # (two C++ calls a step that let it go): one hand-over fewer each, per step.
-            NativeTimer.hold_gil = True
         if name == "fadiag_no_report":
             # The resolver waits for the marks and gives them back, and builds no report (no
             # rules, no sinks): what is left is the training thread's own cost and the marks'.
@@ -207,7 +202,6 @@ def variant(name: str, model: nn.Module):
             yield settle
         finally:
             resolver_module._BATCH_S = batch_s
-            NativeTimer.hold_gil = False
             MARKS_SEEN.setdefault(name, set()).update(session.devices.marks().values())
             tap = session.recorder.tap
             if tap is not None and tap.backward_starts():

@@ -184,9 +184,6 @@ class NativeTimer:
     """
 
     native = True
-    hold_gil = False
-    """Read seconds and allocator figures with the GIL held (benchmarks' fadiag_gil_held): no
-    hand-over of the GIL to another thread in the middle of a step's resolution."""
     mark: Callable[..., int]
     """Take a slot and mark it now; a window's end mark names its start (`since`, as
     EventTimer.mark)."""
@@ -203,7 +200,6 @@ class NativeTimer:
         # CUDA's allocator figures read in C++ without the GIL (the resolver reads them each step).
         self._allocator_stats = (getattr(extension, "allocator_stats", None)
                                  if kind == "cuda" and module is torch.cuda else None)
-        self._allocator_stats_held = getattr(extension, "allocator_stats_held", None)
         self.current_device = _current_device_reader(module)
         self._errors_seen = 0
         self.backward_starts_seen = 0
@@ -234,8 +230,7 @@ class NativeTimer:
                 give_up_open_backward: bool) -> list[tuple[float, float, int, int]] | None:
         """All of a step's calls in one C++ call, made without the GIL (as _seconds_each)."""
         flat = [-1 if m is None else m for quad in marks for m in quad]
-        read = self._marks.seconds_held if self.hold_gil else self._marks.seconds
-        out = read(flat, give_up_open_backward)
+        out = self._marks.seconds(flat, give_up_open_backward)
         if out is None:
             return None
         return [(out[i], out[i + 1], int(out[i + 2]), int(out[i + 3]))
@@ -256,8 +251,6 @@ class NativeTimer:
 
     def memory_stats(self, device: int | None = None) -> dict[str, int] | None:
         read = self._allocator_stats
-        if read is not None and self.hold_gil:
-            read = self._allocator_stats_held
         if read is not None:
             stats = read(-1 if device is None else device)
             if stats is not None:

@@ -622,7 +622,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("give_back", &Marks::give_back)
       .def("give_back_all", &Marks::give_back_all)
       .def("seconds", &Marks::seconds, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("seconds_held", &Marks::seconds)
       .def("slots", &Marks::slots)
       .def("in_use", &Marks::in_use)
       .def("hook", &Marks::hook)
@@ -642,7 +641,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   fadiag::bind_tap(m);
   m.def("allocator_stats", &fadiag::allocator_stats, pybind11::arg("device") = -1,
         pybind11::call_guard<pybind11::gil_scoped_release>());
-  m.def("allocator_stats_held", &fadiag::allocator_stats, pybind11::arg("device") = -1);
 #if PY_VERSION_HEX >= 0x030B0000
   pybind11::class_<FastBegin>(m, "FastBegin")
       .def(pybind11::init<Marks&, pybind11::object, const std::string&, pybind11::dict,
