@@ -34,6 +34,7 @@ from .export.sinks import CallbackSink, FanOut, Sink
 from .rules import baseline as baseline_mod
 from .rules.engine import Rules
 from .steps.boundary import ClosedStep
+from .steps.own_cost import OwnCost, Totals
 from .steps.recorder import Recorder
 from .steps.records import Flag, StepReport
 from .steps.resolver import Resolver
@@ -112,6 +113,7 @@ class Session:
             native_timers=lambda: self.devices.native_timers, tap=lambda: self.recorder.tap,
             unmeasured=self.recorder.resolved_unmeasured)
         self.capture = Interceptors(config, self.recorder, self._error)
+        self._own_cost = OwnCost(config.sampling.every_n_steps)
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -215,6 +217,10 @@ class Session:
                                                 "the dispatcher tap"))
                 self._tap_errors = errors
         self.sinks.flags(self.rules.check_hang(oldest_inflight))
+        hint = self._own_cost.update(Totals(time.monotonic(), self.resolver.cpu_seconds,
+                                            *self.metrics.counts()))
+        if hint:
+            log.warning(hint)
 
     def _error(self, where: str, exc: BaseException) -> None:
         """Count an internal error; log the first one of each place, with its traceback."""

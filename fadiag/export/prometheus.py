@@ -133,6 +133,11 @@ class Metrics(Sink):
             self._steps += 1
             self._last = report
 
+    def counts(self) -> tuple[int, int, int]:
+        """Steps resolved, attention calls measured and, of those, host-bound ones, so far."""
+        with self._lock:
+            return self._steps, sum(self._calls.values()), sum(self._host_bound.values())
+
     def flag(self, flag: Flag) -> None:
         with self._lock:
             if flag.rule not in self._flags:
