@@ -12,6 +12,7 @@ import argparse
 import collections
 import contextlib
 import json
+import os
 import statistics
 import sys
 import time
@@ -317,13 +318,28 @@ def sampled_every(name: str) -> int:
     return 10 if name == "fadiag_sampled" else int(name.rpartition("_")[2])
 
 
-def block_time(step, n: int, warm: int = 1, settle=_nothing) -> float:
+def _steal_s() -> float:
+    """Seconds the hypervisor ran something else while this machine's CPUs wanted to run (all
+    CPUs, from /proc/stat; 10 ms ticks), or NaN where the kernel does not say."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK")
+    except (OSError, IndexError, ValueError):
+        return float("nan")
+
+
+def block_time(step, n: int, warm: int = 1, settle=_nothing,
+               extra: dict[str, list[float]] | None = None) -> float:
+    """Wall seconds a step over `n` steps; `extra` gathers the block's process CPU seconds a step
+    ("cpu") and the machine's stolen seconds a wall second ("steal")."""
     # Untimed: what a variant does once per attach (server start, learning each call signature on
     # the first measured step) stays out; a production session attaches once.
     for _ in range(warm):
         step()
     settle()
     torch.cuda.synchronize()
+    c0, s0 = time.process_time(), _steal_s()
     t0 = time.perf_counter()
     for _ in range(n):
         step()
@@ -331,7 +347,11 @@ def block_time(step, n: int, warm: int = 1, settle=_nothing) -> float:
     # (a flush before the synchronise waits for the device in 20 ms polls).
     torch.cuda.synchronize()
     settle()
-    return (time.perf_counter() - t0) / n
+    wall = time.perf_counter() - t0
+    if extra is not None:
+        extra.setdefault("cpu", []).append((time.process_time() - c0) / n)
+        extra.setdefault("steal", []).append((_steal_s() - s0) / wall)
+    return wall / n
 
 
 def measure(model_name: str, variants: list[str], pairs: int, steps: int) -> dict:
@@ -344,6 +364,10 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int) -> dic
         if MODELS[model_name].get("compile") and v.startswith(("floor", "sync")):
             continue  # they patch the model's Python code, which compiled code does not run
         ratios, plain_t, var_t = [], [], []
+        # The same pairs read as process CPU time (every thread's; GIL waits are not in it) and
+        # the time the hypervisor stole from the machine during each block.
+        plain_x: dict[str, list[float]] = {}
+        var_x: dict[str, list[float]] = {}
         with variant(v, model):  # warm the variant (signatures learned, profiler started)
             block_time(step, 3)
         # A sampled variant's blocks span whole sampling periods: its first measured step (which
@@ -360,28 +384,36 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int) -> dic
             # pair (its clocks as it warms) then reads as much for the variant as against it.
             if i % 2:
                 with variant(v, model) as settle:
-                    b = block_time(step, n, warm, settle if host_bound else _nothing)
-                a = block_time(step, n, warm)
+                    b = block_time(step, n, warm, settle if host_bound else _nothing, var_x)
+                a = block_time(step, n, warm, extra=plain_x)
             else:
-                a = block_time(step, n, warm)
+                a = block_time(step, n, warm, extra=plain_x)
                 with variant(v, model) as settle:
-                    b = block_time(step, n, warm, settle if host_bound else _nothing)
+                    b = block_time(step, n, warm, settle if host_bound else _nothing, var_x)
             plain_t.append(a)
             var_t.append(b)
             ratios.append(b / a - 1.0)
         q = statistics.quantiles(ratios, n=4)
         lo, hi = median_ci95(ratios)
         key = v if v != "plain" else "plain_vs_plain"
+        cpu = [b / a - 1.0 for a, b in zip(plain_x["cpu"], var_x["cpu"], strict=True)]
+        steal = plain_x["steal"] + var_x["steal"]
         out[key] = {
             "overhead_median": statistics.median(ratios), "overhead_q1": q[0], "overhead_q3": q[2],
             "median_ci95": [lo, hi],
             "plain_ms": statistics.median(plain_t) * 1e3, "variant_ms": statistics.median(var_t) * 1e3,
+            "cpu_overhead_median": statistics.median(cpu), "cpu_median_ci95": list(median_ci95(cpu)),
+            "plain_cpu_ms": statistics.median(plain_x["cpu"]) * 1e3,
+            "steal_share_median": statistics.median(steal), "steal_share_max": max(steal),
         }
         if v in MARKS_SEEN:
             out[key]["marks"] = sorted(MARKS_SEEN.pop(v))
         print(f"{model_name:13s} {v:16s} {statistics.median(ratios) * 100:+7.2f} % "
               f"(95 % CI {lo * 100:+.2f} .. {hi * 100:+.2f}; IQR {q[0] * 100:+.2f} .. {q[2] * 100:+.2f}); "
-              f"plain {statistics.median(plain_t) * 1e3:.2f} ms"
+              f"plain {statistics.median(plain_t) * 1e3:.2f} ms; process CPU "
+              f"{statistics.median(cpu) * 100:+.2f} % ({out[key]['cpu_median_ci95'][0] * 100:+.2f} .. "
+              f"{out[key]['cpu_median_ci95'][1] * 100:+.2f}); steal {statistics.median(steal):.1%} "
+              f"(max {max(steal):.1%})"
               + (f"; marks {','.join(out[key]['marks'])}" if "marks" in out[key] else ""), flush=True)
     return out
 
