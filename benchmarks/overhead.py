@@ -354,15 +354,22 @@ def block_time(step, n: int, warm: int = 1, settle=_nothing,
     return wall / n
 
 
-def measure(model_name: str, variants: list[str], pairs: int, steps: int) -> dict:
+def measure(model_name: str, variants: list[str], pairs: int, steps: int,
+            seconds: float | None = None) -> dict:
+    """Each variant against plain over `pairs` pairs of `steps`-step blocks; with `seconds`, a
+    variant takes fewer pairs (5 at least) once its share of that time is spent, so a run that
+    has to end by a limit measures every variant instead of losing the last ones."""
     MARKS_SEEN.clear()  # the host-cost microbenchmark above used the same variants
     model, step = make(model_name)
     for _ in range(10):
         step()
     out = {}
-    for v in ["plain"] + variants:
-        if MODELS[model_name].get("compile") and v.startswith(("floor", "sync")):
-            continue  # they patch the model's Python code, which compiled code does not run
+    runs = [v for v in ["plain"] + variants
+            # floor and sync timers patch the model's Python code, which compiled code does not run
+            if not (MODELS[model_name].get("compile") and v.startswith(("floor", "sync")))]
+    share = None if seconds is None else seconds / len(runs)
+    for v in runs:
+        began = time.monotonic()
         ratios, plain_t, var_t = [], [], []
         # The same pairs read as process CPU time (every thread's; GIL waits are not in it) and
         # the time the hypervisor stole from the machine during each block.
@@ -380,6 +387,8 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int) -> dic
         # device's (the resolver runs while the host waits), and a flush would add it in series.
         host_bound = not model_name.endswith("gpu_bound")
         for i in range(pairs):
+            if share is not None and i >= 5 and time.monotonic() - began > share:
+                break
             # Every other pair runs the variant first: a drift of the host or the card over a
             # pair (its clocks as it warms) then reads as much for the variant as against it.
             if i % 2:
@@ -400,7 +409,7 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int) -> dic
         steal = plain_x["steal"] + var_x["steal"]
         out[key] = {
             "overhead_median": statistics.median(ratios), "overhead_q1": q[0], "overhead_q3": q[2],
-            "median_ci95": [lo, hi],
+            "median_ci95": [lo, hi], "pairs": len(ratios),
             "plain_ms": statistics.median(plain_t) * 1e3, "variant_ms": statistics.median(var_t) * 1e3,
             "cpu_overhead_median": statistics.median(cpu), "cpu_median_ci95": list(median_ci95(cpu)),
             "plain_cpu_ms": statistics.median(plain_x["cpu"]) * 1e3,
@@ -409,7 +418,7 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int) -> dic
         if v in MARKS_SEEN:
             out[key]["marks"] = sorted(MARKS_SEEN.pop(v))
         print(f"{model_name:13s} {v:16s} {statistics.median(ratios) * 100:+7.2f} % "
-              f"(95 % CI {lo * 100:+.2f} .. {hi * 100:+.2f}; IQR {q[0] * 100:+.2f} .. {q[2] * 100:+.2f}); "
+              f"({len(ratios)} pairs; 95 % CI {lo * 100:+.2f} .. {hi * 100:+.2f}; IQR {q[0] * 100:+.2f} .. {q[2] * 100:+.2f}); "
               f"plain {statistics.median(plain_t) * 1e3:.2f} ms; process CPU "
               f"{statistics.median(cpu) * 100:+.2f} % ({out[key]['cpu_median_ci95'][0] * 100:+.2f} .. "
               f"{out[key]['cpu_median_ci95'][1] * 100:+.2f}); steal {statistics.median(steal):.1%} "
@@ -459,7 +468,11 @@ def main() -> None:
     p.add_argument("--out", default="overhead.json")
     p.add_argument("--variants", default="fadiag,fadiag_per_site,fadiag_sampled,profiler,sync_timers")
     p.add_argument("--models", default="gpu_bound,launch_bound")
-    p.add_argument("--pairs", type=int, default=20)
+    p.add_argument("--pairs", type=int, default=None,
+                   help="pairs of blocks per variant (default: 20 GPU-bound, 30 launch-bound)")
+    p.add_argument("--seconds", type=float, default=None,
+                   help="time for each model's variants, shared equally: a variant stops taking "
+                        "pairs (5 at least) once its share is spent")
     p.add_argument("--launch-steps", type=int, default=30, help="steps per launch-bound block")
     # The noise of the GPU-bound ratio is mostly per block, not per step (each block starts with
     # the device idle and ends in a synchronise): plain vs plain had an IQR of 1.3 points with
@@ -478,8 +491,8 @@ def main() -> None:
     for m in filter(None, args.models.split(",")):  # --models "" measures memory only
         gpu_bound = m.endswith("gpu_bound")
         steps = args.gpu_steps if gpu_bound else args.launch_steps
-        pairs = args.pairs if gpu_bound else max(args.pairs, 30)
-        result[m] = measure(m, variants, pairs, steps)
+        pairs = args.pairs or (20 if gpu_bound else 30)
+        result[m] = measure(m, variants, pairs, steps, args.seconds)
     if args.memory_steps:
         result["memory"] = memory_over_steps(args.memory_steps)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
