@@ -142,9 +142,9 @@ def block_sparsity(block_mask: Any) -> Any:
     without a host sync: a float on CPU, a pending device count elsewhere. 0.0 with no mask."""
     if block_mask is None:
         return 0.0
-    for ref, value in _sparsity_cache:
+    for ref, cached in _sparsity_cache:
         if ref() is block_mask:
-            return value
+            return cached
     shape = block_mask.shape
     total = 1
     for n in shape:
@@ -235,6 +235,10 @@ _measured_ids: set[Any] = set()
 one (compiled at its first backward, outside the call) holds the measured call's backward."""
 
 
+def _forget_graph(key: int, _ref: Any) -> None:
+    _graphs.pop(key, None)
+
+
 def flex_in(graph: Any) -> tuple[int, int]:
     """(flex forwards, flex backwards) one run of an inductor graph makes, read from the post-grad
     graph it lowered: inductor keeps that text with the graph in its caches, so a graph loaded
@@ -261,7 +265,7 @@ def _learn(graph: Any) -> tuple[Any, int, int]:
     elif kwargs.get("is_backward") and graph_id is not None and graph_id in _measured_ids:
         forwards = backwards = 0
     key = id(graph)
-    entry = (weakref.ref(graph, lambda _, key=key: _graphs.pop(key, None)), forwards, backwards)
+    entry = (weakref.ref(graph, functools.partial(_forget_graph, key)), forwards, backwards)
     _graphs[key] = entry
     if (forwards or backwards) and "flex_compiled" not in _logged:
         _logged.add("flex_compiled")

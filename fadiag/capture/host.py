@@ -84,10 +84,10 @@ class CpuWait:
         # Per-thread differences: a thread that ended takes its totals with it, and one that
         # started in the interval ran all of its time in it.
         ran = waited = 0
-        for tid, (run, wait) in now.items():
+        for tid, (run_ns, wait_ns) in now.items():
             run0, wait0 = self._last.get(tid, (0, 0))
-            ran += run - run0
-            waited += wait - wait0
+            ran += run_ns - run0
+            waited += wait_ns - wait0
         if ran + waited >= _MIN_INTERVAL_NS:
             self._last, self._share = now, waited / (ran + waited)
         return self._share

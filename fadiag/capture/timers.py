@@ -107,7 +107,9 @@ class EventTimer:
         self._free: deque[Any] = deque()
         self._created = 0
         fast = _fast_cuda_stream() if kind == "cuda" else None
-        self._stream, self._record = fast if fast is not None else (None, None)
+        # Both set, or both None (the plain path).
+        self._stream: Any = fast[0] if fast is not None else None
+        self._record: Any = fast[1] if fast is not None else None
         capturing = (getattr(torch._C, "_cuda_isCurrentStreamCapturing", None) if kind == "cuda"
                      else getattr(module, "is_current_stream_capturing", None))
         self.capturing: Callable[[], bool] = capturing or (lambda: False)

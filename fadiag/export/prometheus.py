@@ -372,7 +372,7 @@ def _serve(registry: CollectorRegistry, addr: str, port: int, certfile: str | No
     class Server(ThreadingWSGIServer):
         address_family = family  # an IPv6 address needs an IPv6 socket
 
-    httpd = make_server(sockaddr[0], port, make_wsgi_app(registry), Server,
+    httpd = make_server(str(sockaddr[0]), port, make_wsgi_app(registry), Server,
                         handler_class=_QuietHandler)
     if certfile and keyfile:
         context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)

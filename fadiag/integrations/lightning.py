@@ -27,7 +27,7 @@ def _callback_base() -> type:
         from lightning.pytorch import Callback
     except ImportError:
         try:
-            from pytorch_lightning import Callback
+            from pytorch_lightning import Callback  # type: ignore[assignment]  # the older name
         except ImportError as e:
             raise ImportError(
                 "fadiag.integrations.lightning.FadiagCallback needs Lightning: "

@@ -149,13 +149,13 @@ class Rules:
         for s in sites:
             if s.forward_seconds < cfg.min_forward_seconds:
                 continue
-            key = (s.site, s.impl, s.shape)
-            r = self._judged_ratio(key, s.ratio_forward_seconds, s.backward_seconds,
+            state = (s.site, s.impl, s.shape)
+            r = self._judged_ratio(state, s.ratio_forward_seconds, s.backward_seconds,
                                    s.device == "cpu")
             if r is not None:
-                judged.append((s, r, cfg.threshold_for(s.impl), key))
+                judged.append((s, r, cfg.threshold_for(s.impl), state))
         # With the ratio each one's severity is judged on (_typical).
-        over = [(s, r, t, self._typical(key, r)) for s, r, t, key in judged if r > t]
+        over = [(s, r, t, self._typical(state, r)) for s, r, t, state in judged if r > t]
         fwd = sum(s.ratio_forward_seconds for s in sites)
         host = any(s.device == "cpu" for s in sites)
         total = self._judged_ratio(TOTAL, fwd, sum(s.backward_seconds for s in sites), host)

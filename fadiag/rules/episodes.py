@@ -51,9 +51,9 @@ class Episodes:
         for key in list(self.active):
             if key[0] not in rules:
                 continue
-            flag = conditions.get(key)
+            holding = conditions.get(key)
             old = self.active[key]
-            if flag is not None and _RANK.get(flag.severity, 0) >= _RANK.get(old.severity, 0):
+            if holding is not None and _RANK.get(holding.severity, 0) >= _RANK.get(old.severity, 0):
                 self._calm.pop(key, None)
                 continue
             # An episode ends after CLEAR_AFTER calm (or milder) evaluations, so a value hovering
@@ -67,7 +67,7 @@ class Episodes:
                             site=old.site, message=f"cleared: {old.rule} at {old.site}",
                             impl=old.impl, shape=old.shape, rank=self.rank, cleared=True,
                             severity=old.severity, band=old.band))
-            if flag is not None:  # milder, and lasting: its own episode from here
-                self.active[key] = flag
-                out.append(flag)
+            if holding is not None:  # milder, and lasting: its own episode from here
+                self.active[key] = holding
+                out.append(holding)
         return out

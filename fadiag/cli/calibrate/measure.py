@@ -127,11 +127,12 @@ def measure(impl: str, shape: Shape, device: str, steps: int = 20, warmup: int =
                     dtype=dtype, requires_grad=True)
     k, v = (torch.randn(shape.batch, shape.kv_heads, shape.seq_k, shape.head_dim, device=dev,
                         dtype=dtype, requires_grad=True) for _ in range(2))
-    gqa = {"enable_gqa": True} if shape.kv_heads != shape.heads else {}
+    gqa: dict[str, Any] = {"enable_gqa": True} if shape.kv_heads != shape.heads else {}
     keep = _KeepAhead.apply if dev.type == "cuda" else (lambda t: t)
-    session = fadiag.attach(**{"exporter.enabled": False, "jsonl.path": None,
-                               "rules.backward_forward_ratio.enabled": False,
-                               "rules.regression.enabled": False, "device": dev.type})
+    quiet: dict[str, Any] = {"exporter.enabled": False, "jsonl.path": None,
+                             "rules.backward_forward_ratio.enabled": False,
+                             "rules.regression.enabled": False, "device": dev.type}
+    session = fadiag.attach(**quiet)
     try:
         with sdpa_kernel(getattr(SDPBackend, backend)):
             for _ in range(warmup + steps):
