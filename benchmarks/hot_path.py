@@ -1,7 +1,8 @@
 """Where the training thread's time per measured attention call goes, piece by piece.
 
-SDPA calls on tiny inputs, forward only and forward + backward, a step every 6 calls, steps closed
-but never resolved (the resolver's share is `overhead.py`'s fadiag vs fadiag_no_report). Three whole-call figures
+SDPA calls on tiny inputs, a step every 6 calls: forward only, with one backward a step over its
+6 outputs (as a model's step), and with one backward a call (each call after a step's first then
+starts a new phase, which Python's path serves); steps closed but never resolved (the resolver's share is `overhead.py`'s fadiag vs fadiag_no_report). Three whole-call figures
 (plain; the floor: a Python wrapper with one C++ mark before the op and one C++ `finish` after it;
 fadiag, its learned calls timed by the dispatcher tap; fadiag with the wrapper's own marks), the
 Python and C calls fadiag makes per measured call, each piece of Python's path
@@ -56,6 +57,15 @@ def floor_wrapper(marks):
     return original, wrapped
 
 
+MODES: dict[bool | str, str] = {
+    False: "forward only",
+    "step": "forward + backward, one backward a step (6 calls), as a model's step",
+    True: "forward + backward, one backward a call (each call after a step's first starts a new "
+          "phase: Python's path)",
+}
+"""per_call_us's backward modes, and how the figures are labelled."""
+
+
 def calls_per_call(q: torch.Tensor, n: int = 60) -> tuple[float, float, list[tuple[float, str]]]:
     counts: collections.Counter[str] = collections.Counter()
 
@@ -95,9 +105,9 @@ def main() -> None:
     # fadiag: learned calls timed by the tap; fadiag_wrapper: the wrapper's C++ marks and hooks
     # (no tap); fadiag_unsampled: every call on a step that sampling skips (the early way out).
     variants = ("plain", "floor", "fadiag", "fadiag_wrapper", "fadiag_python", "fadiag_unsampled")
-    whole: dict[tuple[str, bool], list[float]] = collections.defaultdict(list)
+    whole: dict[tuple[str, bool | str], list[float]] = collections.defaultdict(list)
     for _ in range(args.repeats):
-        for backward in (False, True):
+        for backward in MODES:
             for v in variants:
                 if v == "floor":
                     F.scaled_dot_product_attention = floor
@@ -116,9 +126,9 @@ def main() -> None:
     name = torch.cuda.get_device_name() if kind == "cuda" else "cpu"
     print(f"device {kind} ({name}), torch {torch.__version__}; SDPA on 1x1x16x16, steps closed "
           f"and never resolved, median of {args.repeats} x {args.calls} calls")
-    for backward in (False, True):
+    for backward, label in MODES.items():
         plain = statistics.median(whole["plain", backward])
-        print("forward + backward:" if backward else "forward only:")
+        print(f"{label}:")
         for v in variants:
             m = statistics.median(whole[v, backward])
             print(f"  {v:16s} {m:7.2f} us/call  (+{m - plain:.2f} us)")

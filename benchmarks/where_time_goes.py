@@ -58,16 +58,24 @@ def knocked_out(part: str):
             setattr(owner, name, value)
 
 
-def per_call_us(q: torch.Tensor, calls: int, backward: bool = True) -> float:
-    """Host µs per SDPA call (with its backward unless told not to), a step every 6 calls."""
+def per_call_us(q: torch.Tensor, calls: int, backward: bool | str = True) -> float:
+    """Host µs per SDPA call, a step every 6 calls: with its own backward (True), forward only
+    (False), or with one backward a step over the step's 6 outputs ("step", as a model's step
+    runs: each call's backward op inside one backward pass)."""
     sync = torch.cuda.synchronize if q.is_cuda else (lambda: None)
     sync()
+    outs: list[torch.Tensor] = []
     t0 = time.perf_counter()
     for i in range(calls):
         out = F.scaled_dot_product_attention(q, q, q)
-        if backward:
+        if backward == "step":
+            outs.append(out)
+        elif backward:
             out.sum().backward()
         if i % 6 == 5:
+            if outs:
+                torch.stack([o.sum() for o in outs]).sum().backward()
+                outs.clear()
             fadiag.step()
     sync()
     return (time.perf_counter() - t0) / calls * 1e6
