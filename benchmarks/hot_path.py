@@ -2,7 +2,8 @@
 
 SDPA calls on tiny inputs, a step every 6 calls: forward only, with one backward a step over its
 6 outputs (as a model's step), and with one backward a call (each call after a step's first then
-starts a new phase, which Python's path serves); steps closed but never resolved (the resolver's share is `overhead.py`'s fadiag vs fadiag_no_report). Three whole-call figures
+starts a new phase, which Python's path serves); steps closed but never resolved (the resolver's
+share is `overhead.py`'s fadiag vs fadiag_no_report). Three whole-call figures
 (plain; the floor: a Python wrapper with one C++ mark before the op and one C++ `finish` after it;
 fadiag, its learned calls timed by the dispatcher tap; fadiag with the wrapper's own marks), the
 Python and C calls fadiag makes per measured call, each piece of Python's path

@@ -403,27 +403,26 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int,
             var_t.append(b)
             ratios.append(b / a - 1.0)
         q = statistics.quantiles(ratios, n=4)
-        lo, hi = median_ci95(ratios)
-        key = v if v != "plain" else "plain_vs_plain"
         cpu = [b / a - 1.0 for a, b in zip(plain_x["cpu"], var_x["cpu"], strict=True)]
         steal = plain_x["steal"] + var_x["steal"]
-        out[key] = {
+        row = out[v if v != "plain" else "plain_vs_plain"] = {
             "overhead_median": statistics.median(ratios), "overhead_q1": q[0], "overhead_q3": q[2],
-            "median_ci95": [lo, hi], "pairs": len(ratios),
+            "median_ci95": list(median_ci95(ratios)), "pairs": len(ratios),
             "plain_ms": statistics.median(plain_t) * 1e3, "variant_ms": statistics.median(var_t) * 1e3,
             "cpu_overhead_median": statistics.median(cpu), "cpu_median_ci95": list(median_ci95(cpu)),
             "plain_cpu_ms": statistics.median(plain_x["cpu"]) * 1e3,
             "steal_share_median": statistics.median(steal), "steal_share_max": max(steal),
         }
         if v in MARKS_SEEN:
-            out[key]["marks"] = sorted(MARKS_SEEN.pop(v))
-        print(f"{model_name:13s} {v:16s} {statistics.median(ratios) * 100:+7.2f} % "
-              f"({len(ratios)} pairs; 95 % CI {lo * 100:+.2f} .. {hi * 100:+.2f}; IQR {q[0] * 100:+.2f} .. {q[2] * 100:+.2f}); "
-              f"plain {statistics.median(plain_t) * 1e3:.2f} ms; process CPU "
-              f"{statistics.median(cpu) * 100:+.2f} % ({out[key]['cpu_median_ci95'][0] * 100:+.2f} .. "
-              f"{out[key]['cpu_median_ci95'][1] * 100:+.2f}); steal {statistics.median(steal):.1%} "
-              f"(max {max(steal):.1%})"
-              + (f"; marks {','.join(out[key]['marks'])}" if "marks" in out[key] else ""), flush=True)
+            row["marks"] = sorted(MARKS_SEEN.pop(v))
+        (lo, hi), (cpu_lo, cpu_hi) = row["median_ci95"], row["cpu_median_ci95"]
+        print(f"{model_name:13s} {v:16s} {row['overhead_median'] * 100:+7.2f} % "
+              f"({row['pairs']} pairs; 95 % CI {lo * 100:+.2f} .. {hi * 100:+.2f}; "
+              f"IQR {q[0] * 100:+.2f} .. {q[2] * 100:+.2f}); plain {row['plain_ms']:.2f} ms; "
+              f"process CPU {row['cpu_overhead_median'] * 100:+.2f} % ({cpu_lo * 100:+.2f} .. "
+              f"{cpu_hi * 100:+.2f}); steal {row['steal_share_median']:.1%} "
+              f"(max {row['steal_share_max']:.1%})"
+              + (f"; marks {','.join(row['marks'])}" if "marks" in row else ""), flush=True)
     return out
 
 

@@ -71,12 +71,13 @@ class OwnCost:
             return None
         self._start = now
         calls = now.calls - start.calls
-        share = (now.cpu_seconds - start.cpu_seconds) / wall
+        cpu = now.cpu_seconds - start.cpu_seconds
+        share = cpu / wall
         host_bound = min(1.0, (now.host_bound - start.host_bound) / calls) if calls else 0.0
         if share <= SHARE or host_bound < HOST_BOUND:
             return None
         self.said = True
-        per_step = (now.cpu_seconds - start.cpu_seconds) / steps
+        per_step = cpu / steps
         every = self.every_n_steps * math.ceil(share / TARGET)
         return (f"fadiag: this job is host-bound (the device waited for the host in {host_bound:.0%}"
                 f" of the attention calls measured over the last {wall:.0f} s), and fadiag's "
