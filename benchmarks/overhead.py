@@ -131,6 +131,10 @@ def variant(name: str, model: nn.Module):
             overrides["per_site"] = True
         if name.startswith("fadiag_sampled"):
             overrides["every_n_steps"] = sampled_every(name)
+        if name.startswith("fadiag_reports_"):
+            # Every call timed and counted; a step report (rules, log, JSONL) for N steps a
+            # second of training (sampling.reports_per_second).
+            overrides["sampling.reports_per_second"] = float(name.rpartition("_")[2])
         if name == "fadiag_python":
             overrides["native"] = "off"
         if name == "fadiag_wrapper_marks":

@@ -14,6 +14,7 @@ later step boundary, between training steps, as the resolver's work would run in
 second thread: against `--replay`, what cold caches cost it. Usage:
 
     python benchmarks/resolver_cost.py [--device cuda] [--steps 300] [--replay [--profile N] | --inline]
+        [--reports-per-second R]
 """
 
 from __future__ import annotations
@@ -74,8 +75,11 @@ def main() -> None:
     how.add_argument("--inline", action="store_true",
                      help="resolve each closed step on this thread at a later step boundary, "
                           "between training steps (overhead.py's fadiag_inline)")
+    p.add_argument("--reports-per-second", type=float, default=0.0,
+                   help="sampling.reports_per_second (0: every step reported)")
     args = p.parse_args()
     setup_device(args.device)
+    overhead.ATTACH_DEFAULTS["sampling.reports_per_second"] = args.reports_per_second
     model, step = phased_step(args.device)
     for _ in range(20):
         step([])
@@ -122,12 +126,14 @@ def main() -> None:
     where = ("replayed on the main thread, alone" if args.replay else
              "on the training thread, between steps" if args.inline else "resolver thread")
     print(f"device {args.device}, torch {torch.__version__}; {args.steps} launch-bound steps, "
-          f"{calls:g} calls a step; {where}, median µs a step (calls of the piece a step)")
+          f"{calls:g} calls a step; {where}, median µs a step (calls of the piece a step); "
+          f"reports_per_second {args.reports_per_second:g}")
     resolved = len(times["whole resolution"]) or 1
     for _, _, label in PIECES:
         v = times[label]
         if v:
-            print(f"  {label:32s} {statistics.median(v) * 1e6:8.1f}   x{len(v) / resolved:.2f}")
+            print(f"  {label:32s} {statistics.median(v) * 1e6:8.1f}   x{len(v) / resolved:.2f}"
+                  f"   (mean a resolved step {sum(v) / resolved * 1e6:.1f})")
     if args.replay and args.profile:
         print(f"\nthe replay's second half under cProfile ({len(held) - half} steps; its own cost "
               "inflates small functions most):")

@@ -399,6 +399,45 @@ def test_ten_thousand_steps_keep_event_pool_and_device_memory_flat(marks):
     assert session.errors == 0
 
 
+@pytest.mark.parametrize("compiled", [False, True])
+def test_counted_steps_time_every_call_and_give_every_mark_back(marks, compiled):
+    """sampling.reports_per_second: a rate this low reports the step that learned the signatures
+    and counts every steady step after it, whatever the host's speed."""
+    if compiled and marks != "tap":
+        pytest.skip("compiled code's calls are timed by the tap alone")
+    from prometheus_client import CollectorRegistry
+
+    torch._dynamo.reset()
+    model = GPT(layers=2, dim=128, heads=2, vocab=128).cuda()
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    run = torch.compile(model) if compiled else model
+    tokens = torch.randint(0, 128, (2, 256), device="cuda")
+    session = attach(marks, **{"sampling.reports_per_second": 1e-6})
+    for _ in range(50):
+        run(tokens).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    assert session.flush(30)
+    registry = CollectorRegistry()
+    registry.register(session.metrics)
+    value = registry.get_sample_value
+    reported = session.history()
+    impl = reported[0].calls[0].impl
+    labels = {"rank": "0", "impl": impl}
+    counted = 50 - len(reported)
+    assert reported[0].step == 1 and counted >= 45
+    assert value("fadiag_steps_total", {"rank": "0"}) == 50
+    assert value("fadiag_steps_unreported_total", {"rank": "0"}) == counted
+    # A counted step is a steady one: both layers' calls timed, forward and backward.
+    assert value("fadiag_attention_calls_total", labels) == 2 * counted + sum(
+        len(r.calls) for r in reported)
+    assert value("fadiag_attention_backward_seconds_count", labels) == 2 * counted + sum(
+        1 for r in reported for c in r.calls if c.backward_seconds > 0)
+    assert value("fadiag_attention_forward_seconds_sum", labels) > 0
+    assert session.devices.timer("cuda").marks_in_use() == 0
+    assert session.errors == 0
+
+
 def test_the_hang_signal_sees_a_tapped_call_the_device_has_not_passed():
     import time
 

@@ -27,10 +27,18 @@ from .checks import (
 class SamplingConfig:
     """sampling: which steps are measured."""
 
-    _checks: ClassVar[dict[str, Check]] = {"every_n_steps": _integer(1)}
+    _checks: ClassVar[dict[str, Check]] = {"every_n_steps": _integer(1),
+                                           "reports_per_second": _number(lo=0)}
 
     every_n_steps: int = 1
     """Measure one step in N (1 = every step). Unmeasured steps cost one branch per call."""
+    reports_per_second: float = 0
+    """Build at most this many step reports a second of training (0 = every measured step).
+    The other measured steps are counted: every call's seconds go to the metrics' histograms and
+    counters, and fadiag_steps_unreported_total counts the steps, but no report is built for
+    them (no rules, log line, JSONL line or history entry). A step with a call learned, a call
+    unmeasured or a new signature is always reported. For launch-bound jobs with many steps a
+    second, where building a report per step costs the host (benchmarks/BENCHMARKS.md §4)."""
 
     def __post_init__(self) -> None:
         _validate(self)

@@ -99,6 +99,7 @@ class Metrics(Sink):
         self._uninstrumented: dict[str, int] = {}
         self._last: StepReport | None = None
         self._steps = 0
+        self._unreported = 0
         self.baseline_seconds: float | None = None
         self.regression_ratio: float | None = None
         self.contended_steps: dict[str, int] = {}
@@ -132,6 +133,36 @@ class Metrics(Sink):
             self._step.observe(report.attention_seconds)
             self._steps += 1
             self._last = report
+
+    def count(self, calls: list[tuple[str, str, float, float, bool, bool]]) -> None:
+        """A step counted without a report (sampling.reports_per_second): each call's (impl,
+        site, forward seconds, backward seconds, recompute, host-bound) into the histograms and
+        counters as `emit` puts a reported call, the step into fadiag_steps_total and
+        fadiag_steps_unreported_total. The last-step gauges stay the last report's."""
+        attention = 0.0
+        with self._lock:
+            for impl, site, f, b, recompute, host_bound in calls:
+                labels: tuple[str, ...] = (impl,)
+                if self.per_site:
+                    labels += (self._site_label(site),)
+                if not recompute:
+                    h = self._fwd.get(labels)
+                    if h is None:
+                        h = self._fwd[labels] = Histogram()
+                    h.observe(f)
+                    self._calls[impl] = self._calls.get(impl, 0) + 1
+                    attention += f
+                if host_bound:
+                    self._host_bound[impl] = self._host_bound.get(impl, 0) + 1
+                if b > 0.0:
+                    h = self._bwd.get(labels)
+                    if h is None:
+                        h = self._bwd[labels] = Histogram()
+                    h.observe(b)
+                    attention += b
+            self._step.observe(attention)
+            self._steps += 1
+            self._unreported += 1
 
     def counts(self) -> tuple[int, int, int]:
         """Steps resolved, attention calls measured and, of those, host-bound ones, so far."""
@@ -177,6 +208,7 @@ class Metrics(Sink):
             unins = dict(self._uninstrumented)
             last = self._last
             steps = self._steps
+            unreported = self._unreported
         r = self.rank
         hist_labels = ["rank", "impl"] + (["site"] if self.per_site else [])
         for name, data, what in (("fadiag_attention_forward_seconds", fwd, "forward"),
@@ -192,6 +224,13 @@ class Metrics(Sink):
         yield h
         c = CounterMetricFamily("fadiag_steps", "Resolved training steps.", labels=["rank"])
         c.add_metric([r], steps)
+        yield c
+        c = CounterMetricFamily("fadiag_steps_unreported",
+                                "Resolved steps counted without a step report "
+                                "(sampling.reports_per_second): their calls are in the "
+                                "histograms and counters; the rules, the log and the JSONL "
+                                "file did not see them.", labels=["rank"])
+        c.add_metric([r], unreported)
         yield c
         c = CounterMetricFamily("fadiag_attention_calls", "Measured attention calls by backend.",
                                 labels=["rank", "impl"])

@@ -4,8 +4,9 @@ The resolver thread's CPU time is fadiag's work beside training (`fadiag_resolve
 On a GPU-bound step it runs while the host waits for the device and costs nothing; on a step whose
 device waits for the host (most attention windows host-bound), the host is the bottleneck and that
 time is added to the step, or more: it shares the GIL with training (benchmarks/BENCHMARKS.md §4).
-So once, when both hold over a window of steps, the log says how much and which sampling setting
-brings it under a tenth of a percent.
+So once, when both hold over a window of steps, the log says how much, the setting that keeps
+every call timed and builds fewer reports (sampling.reports_per_second), and the sampling period
+that brings it under a tenth of a percent.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ WINDOW_S = 10.0
 """Wall seconds of training a judgement spans."""
 MIN_STEPS = 100
 """Steps a judgement spans at least (a job's first steps learn signatures and warm caches)."""
+REPORTS = 10
+"""The sampling.reports_per_second suggested to a job that reports every step."""
 
 
 @dataclass(frozen=True)
@@ -46,14 +49,15 @@ class OwnCost:
 
     Example::
 
-        own = OwnCost(every_n_steps=1)
+        own = OwnCost(every_n_steps=1, reports_per_second=0)
         hint = own.update(Totals(time.monotonic(), resolver.cpu_seconds, steps, calls, host_bound))
         if hint:
             log.warning(hint)
     """
 
-    def __init__(self, every_n_steps: int = 1):
+    def __init__(self, every_n_steps: int = 1, reports_per_second: float = 0):
         self.every_n_steps = every_n_steps
+        self.reports_per_second = reports_per_second
         self._start: Totals | None = None
         self.said = False
 
@@ -79,9 +83,15 @@ class OwnCost:
         self.said = True
         per_step = cpu / steps
         every = self.every_n_steps * math.ceil(share / TARGET)
+        fewer = ""
+        if not self.reports_per_second and steps / wall > REPORTS:
+            fewer = (f"A report for {REPORTS} steps a second (sampling.reports_per_second: "
+                     f"{REPORTS}) keeps every call timed and counted in the metrics and builds "
+                     "spares most of that work; ")
         return (f"fadiag: this job is host-bound (the device waited for the host in {host_bound:.0%}"
                 f" of the attention calls measured over the last {wall:.0f} s), and fadiag's "
                 f"resolver thread used {share:.1%} of that time in CPU ({per_step * 1e6:.0f} µs a "
                 "step): on a host-bound step that time is added to the step, or more (it shares the "
-                f"GIL with training). Measuring one step in {every} (sampling.every_n_steps: "
-                f"{every}) brings it under {TARGET:.1%}; fadiag_resolver_cpu_seconds_total shows it")
+                f"GIL with training). {fewer}measuring one step in {every} "
+                f"(sampling.every_n_steps: {every}) brings it under {TARGET:.1%}; "
+                "fadiag_resolver_cpu_seconds_total shows it")

@@ -19,7 +19,7 @@ import psutil
 from ..capture.calls import Call
 from ..capture.timers import relax_capture_mode
 from .boundary import ClosedStep
-from .records import CallRecord, StepReport
+from .records import HOST_BOUND_SHARE, CallRecord, StepReport
 
 GRAPH_BACKWARD = "graph_capture_backward"
 """The reason for a call whose forward was measured and whose backward ran while a CUDA (NPU)
@@ -51,7 +51,10 @@ class Resolver:
                  on_error: Callable[[str, BaseException], None],
                  native_timers: Callable[[], list[Any]] = list,
                  tap: Callable[[], Any] = lambda: None,
-                 unmeasured: dict[str, int] | None = None):
+                 unmeasured: dict[str, int] | None = None,
+                 reports_per_second: float = 0.0,
+                 on_counted: Callable[[list[tuple[str, str, float, float, bool, bool]]], None]
+                 | None = None):
         self.rank = rank
         self.history: collections.deque[StepReport] = collections.deque(maxlen=history)
         self.oldest_inflight_seconds = 0.0
@@ -64,6 +67,11 @@ class Resolver:
         self._on_tick = on_tick
         self._on_error = on_error
         self._native_timers = native_timers
+        self.reports_per_second = reports_per_second
+        """sampling.reports_per_second: 0 reports every step; otherwise a steady step closed
+        sooner than 1/rate after the last reported one is counted (`on_counted`), not reported."""
+        self._on_counted = on_counted
+        self._next_report_at = 0.0
         self._tap = tap
         """The dispatcher tap now installed, or None (its uncut records, for the hang check)."""
         self.unmeasured = {} if unmeasured is None else unmeasured
@@ -222,12 +230,16 @@ class Resolver:
         calls: list[Call] = []
         untimed: list[Call] = []  # calls that raised or were never learned
         in_graph = 0  # a backward captured into a CUDA graph: not measured (graph_backward)
+        learned = False  # a call that learned its signature (probe): always reported
         for c in step.calls:
             if c.graph_backward and not c.aborted:
                 in_graph += 1
                 untimed.append(c)
+            elif c.aborted or c.sig is None:
+                untimed.append(c)
             else:
-                (untimed if c.aborted or c.sig is None else calls).append(c)
+                calls.append(c)
+                learned = learned or c.probe
         if untimed:
             self._release(untimed)
         by_timer: dict[Any, list[Call]] = {}
@@ -250,8 +262,38 @@ class Resolver:
         if in_graph:
             step.count(GRAPH_BACKWARD, in_graph)
             self.unmeasured[GRAPH_BACKWARD] = self.unmeasured.get(GRAPH_BACKWARD, 0) + in_graph
-        self._report(step, kept)
+        if self._counted_only(step, steady=not (untimed or learned or step.unmeasured)):
+            self._count(kept)
+        else:
+            self._report(step, kept)
         return True
+
+    def _counted_only(self, step: ClosedStep, steady: bool) -> bool:
+        """Whether `step` is counted without a report (sampling.reports_per_second): a steady step
+        (every call timed, none learning its signature, nothing unmeasured) closed sooner than
+        1/rate after the last reported step, on the training thread's clock."""
+        rate = self.reports_per_second
+        if rate <= 0 or self._on_counted is None:
+            return False
+        if steady and step.closed < self._next_report_at:
+            return True
+        self._next_report_at = step.closed + 1.0 / rate
+        return False
+
+    def _count(self, timed: list[tuple[Call, float, float, int, int]]) -> None:
+        """A counted step's calls to the metrics: (impl, site, forward s, backward s,
+        recompute, host-bound), as `_report` makes their records."""
+        rows = []
+        for c, f, b, fi, bi in timed:
+            if f != f:  # the call's forward marks failed (counted as internal errors)
+                continue
+            f, b = _seconds(f), _seconds(b)
+            sig = c.sig
+            assert sig is not None
+            rows.append((sig.impl, c.site, f, b, c.recompute,
+                         fi * 1e-9 > HOST_BOUND_SHARE * f or bi * 1e-9 > HOST_BOUND_SHARE * b))
+        assert self._on_counted is not None
+        self._on_counted(rows)
 
     def _release(self, calls: list[Call]) -> None:
         """Give back the marks of calls that will not be timed (a native slot is never reclaimed

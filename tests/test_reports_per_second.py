@@ -1,0 +1,127 @@
+"""sampling.reports_per_second: every call timed and counted, a step report for N steps a second."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+from prometheus_client import CollectorRegistry
+
+import fadiag
+from fadiag import ConfigError
+from fadiag.export.prometheus import Metrics
+from fadiag.steps.own_cost import OwnCost, Totals
+from fadiag.steps.records import CallRecord, StepReport
+from fadiag.steps.resolver import Resolver
+from tests.models import GPT, train
+
+
+def _resolver(rate: float) -> Resolver:
+    return Resolver(rank=0, history=10, open_calls=list, on_report=lambda report: None,
+                    on_tick=lambda age: None, on_error=lambda where, e: None,
+                    reports_per_second=rate, on_counted=lambda rows: None)
+
+
+def _closed(at: float) -> types.SimpleNamespace:
+    return types.SimpleNamespace(closed=at)
+
+
+def test_steady_steps_are_reported_at_the_rate_on_the_training_clock():
+    # Steps 30 ms apart at 10 reports a second: the first, then the first closed 0.1 s or more
+    # after the last reported one (here every fourth), whenever the resolver gets to them.
+    r = _resolver(10.0)
+    counted = [r._counted_only(_closed(100.0 + 0.03 * i), steady=True) for i in range(9)]
+    assert counted == [False, True, True, True, False, True, True, True, False]
+
+
+def test_a_step_that_learned_or_left_calls_unmeasured_is_always_reported():
+    r = _resolver(10.0)
+    assert not r._counted_only(_closed(100.0), steady=True)
+    assert not r._counted_only(_closed(100.01), steady=False)
+    # ... and the rate counts from it.
+    assert r._counted_only(_closed(100.02), steady=True)
+    assert not r._counted_only(_closed(100.11), steady=True)
+
+
+def test_zero_reports_every_step():
+    r = _resolver(0.0)
+    assert not any(r._counted_only(_closed(100.0 + 1e-3 * i), steady=True) for i in range(5))
+
+
+def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in registry.collect() for s in family.samples}
+
+
+@pytest.mark.parametrize("per_site", [False, True])
+def test_a_counted_step_moves_the_metrics_as_its_report_would(per_site):
+    calls = [
+        CallRecord("a.py:1#0", "cpu_flash", (2, 2, 64, 64, 32), "float32", True,
+                   forward_seconds=1e-3, backward_seconds=3e-3),
+        CallRecord("a.py:2#0", "cpu_flash", (2, 2, 64, 64, 32), "float32", True,
+                   forward_seconds=2e-3, backward_seconds=5e-3, forward_host_seconds=1e-3),
+        CallRecord("a.py:1#0", "cpu_flash", (2, 2, 64, 64, 32), "float32", True,
+                   forward_seconds=1e-3, backward_seconds=0.0, recompute=True),
+        CallRecord("a.py:3#0", "math", (2, 2, 64, 64, 32), "float32", True,
+                   forward_seconds=4e-3, backward_seconds=0.0, backward_host_seconds=1e-3),
+    ]
+    fwd = sum(c.forward_seconds for c in calls if not c.recompute)
+    report = StepReport(step=1, forward_seconds=fwd,
+                        backward_seconds=sum(c.backward_seconds for c in calls),
+                        kept_bytes=None, standard_bytes=0, peak_bytes=None, calls=calls)
+    reported, counted = CollectorRegistry(), CollectorRegistry()
+    Metrics(registry=reported, per_site=per_site).emit(report)
+    m = Metrics(registry=counted, per_site=per_site)
+    m.count([(c.impl, c.site, c.forward_seconds, c.backward_seconds, c.recompute, c.host_bound)
+             for c in calls])
+    a, b = _samples(reported), _samples(counted)
+    unreported = ("fadiag_steps_unreported_total", (("rank", "0"),))
+    assert a.pop(unreported) == 0 and b.pop(unreported) == 1
+    # Every series the count moves reads as the report's; the report's alone are the last-step
+    # gauges, which a metrics object with nothing emitted does not show either.
+    fresh = CollectorRegistry()
+    Metrics(registry=fresh, per_site=per_site)
+    last_step = a.keys() - b.keys()
+    assert last_step and not last_step & _samples(fresh).keys() and b.keys() <= a.keys()
+    assert {k: a[k] for k in b} == b
+    assert m.counts() == (1, 3, 2)
+
+
+def test_a_compiled_or_eager_job_reports_its_first_step_and_counts_every_step_after():
+    # A rate this low reports the step that learned the signatures and no steady step after it,
+    # however fast or slow this machine runs them: the outcome does not depend on timing.
+    s = fadiag.attach(**{"exporter.enabled": False, "sampling.reports_per_second": 1e-6})
+    train(GPT(layers=2, dim=32, heads=2), steps=6, seq=32)
+    assert s.flush(10)
+    assert [r.step for r in s.history()] == [1]
+    assert s.history()[0].calls[0].probe
+    registry = CollectorRegistry()
+    registry.register(s.metrics)
+    value = registry.get_sample_value
+    assert value("fadiag_steps_total", {"rank": "0"}) == 6
+    assert value("fadiag_steps_unreported_total", {"rank": "0"}) == 5
+    assert value("fadiag_attention_calls_total", {"rank": "0", "impl": "cpu_flash"}) == 12
+    for what in ("forward", "backward"):
+        labels = {"rank": "0", "impl": "cpu_flash"}
+        assert value(f"fadiag_attention_{what}_seconds_count", labels) == 12
+        assert value(f"fadiag_attention_{what}_seconds_sum", labels) > 0
+    assert value("fadiag_step_attention_seconds_count", {"rank": "0"}) == 6
+    assert s.last_step() is s.history()[0]
+
+
+def test_a_negative_rate_is_refused_naming_the_key():
+    with pytest.raises(ConfigError, match=r"sampling\.reports_per_second must be a number >= 0"):
+        fadiag.attach(**{"exporter.enabled": False, "sampling.reports_per_second": -1})
+
+
+def test_the_own_cost_hint_offers_fewer_reports_before_sampling():
+    own = OwnCost()
+    own.update(Totals(0.0, 0.0, 0, 0, 0))
+    hint = own.update(Totals(10.0, 0.2, 1100, 6600, 6000))
+    assert hint is not None and "sampling.reports_per_second: 10" in hint
+    assert "sampling.every_n_steps: 20" in hint
+    # Already reporting fewer steps: the sampling period alone.
+    own = OwnCost(reports_per_second=10)
+    own.update(Totals(0.0, 0.0, 0, 0, 0))
+    hint = own.update(Totals(10.0, 0.2, 1100, 6600, 6000))
+    assert hint is not None and "reports_per_second" not in hint
