@@ -7,16 +7,21 @@ queue is full) and burns CPU time too. This script runs plain blocks back to bac
 per block: the wall time a step, the host's time to issue the block (before its closing
 synchronise), the training thread's and the process's CPU time, and the device's time from the
 block's first kernel to its last (two events); once, the kernels' own time a step
-(torch.profiler), which says how much of the step the device works at all. Pairs of adjacent blocks give each figure's spread,
-as `overhead.py` pairs them. `nvidia-smi`'s clocks, where it answers, are sampled beside it.
+(torch.profiler), which says how much of the step the device works at all. With
+`--reference`, a child process pinned to one CPU spins on a fixed piece of Python beside it, and
+each block also records that process's rate: if the host's speed is what moves, a block's wall
+time times the reference rate (normalised to its median) moves less than the wall. Pairs of
+adjacent blocks give each figure's spread, as `overhead.py` pairs them. `nvidia-smi`'s clocks,
+where it answers, are sampled beside it.
 
-    python benchmarks/noise.py --blocks 40 --steps 120 --out noise.json
+    python benchmarks/noise.py --blocks 40 --steps 120 [--reference] --out noise.json
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing
 import os
 import statistics
 import subprocess
@@ -30,11 +35,37 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from overhead import make, median_ci95  # noqa: E402
 
 
-def block(step, n: int) -> dict[str, float]:
+def _spin(cpu: int, count) -> None:
+    """The reference: a fixed piece of Python, counted, for ever (on one CPU)."""
+    os.sched_setaffinity(0, {cpu})
+    while True:
+        sum(range(1000))
+        count.value += 1
+
+
+class Reference:
+    """The spinning child process and its count (a shared 64-bit integer, no lock: one writer)."""
+
+    def __init__(self) -> None:
+        ctx = multiprocessing.get_context("spawn")  # no CUDA state in the child
+        self.count = ctx.Value("q", 0, lock=False)
+        cpu = max(os.sched_getaffinity(0))
+        self.proc = ctx.Process(target=_spin, args=(cpu, self.count), daemon=True)
+        self.proc.start()
+        while self.count.value == 0:
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.join(5)
+
+
+def block(step, n: int, ref: Reference | None = None) -> dict[str, float]:
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     step()
     torch.cuda.synchronize()
     c0, th0 = time.process_time(), time.thread_time()
+    r0 = ref.count.value if ref is not None else 0
     t0 = time.perf_counter()
     start.record()
     for _ in range(n):
@@ -43,8 +74,11 @@ def block(step, n: int) -> dict[str, float]:
     issued = time.perf_counter() - t0
     torch.cuda.synchronize()
     wall = time.perf_counter() - t0
-    return {"wall": wall / n, "issued": issued / n, "device": start.elapsed_time(end) * 1e-3 / n,
-            "cpu": (time.process_time() - c0) / n, "thread_cpu": (time.thread_time() - th0) / n}
+    out = {"wall": wall / n, "issued": issued / n, "device": start.elapsed_time(end) * 1e-3 / n,
+           "cpu": (time.process_time() - c0) / n, "thread_cpu": (time.thread_time() - th0) / n}
+    if ref is not None:
+        out["reference_rate"] = (ref.count.value - r0) / wall
+    return out
 
 
 def device_busy(step, n: int = 20) -> float:
@@ -74,7 +108,10 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=120)
     p.add_argument("--model", default="launch_bound")
     p.add_argument("--out", default="noise.json")
+    p.add_argument("--reference", action="store_true",
+                   help="a child process spinning on one CPU, its rate recorded per block")
     args = p.parse_args()
+    ref = Reference() if args.reference else None
     _, step = make(args.model)
     for _ in range(20):
         step()
@@ -86,7 +123,12 @@ def main() -> None:
             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
     except OSError:
         smi = None
-    blocks = [block(step, args.steps) for _ in range(args.blocks)]
+    blocks = [block(step, args.steps, ref) for _ in range(args.blocks)]
+    if ref is not None:
+        ref.close()
+        typical = statistics.median(b["reference_rate"] for b in blocks)
+        for b in blocks:  # the wall at the reference's typical speed
+            b["wall_normalised"] = b["wall"] * b["reference_rate"] / typical
     samples = clocks(smi)
     busy = device_busy(step)
     result: dict = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -94,13 +136,17 @@ def main() -> None:
                     "affinity": sorted(os.sched_getaffinity(0)), "kernel_s_a_step": busy, "blocks": blocks,
                     "nvidia_smi": samples}
     print(f"{args.model}: {args.blocks} blocks of {args.steps} steps; CPUs {len(result['affinity'])}")
-    for key in ("wall", "issued", "device", "cpu", "thread_cpu"):
+    for key in ("wall", "issued", "device", "cpu", "thread_cpu", "reference_rate",
+                "wall_normalised"):
+        if key not in blocks[0]:
+            continue
         xs = [b[key] for b in blocks]
         pairs = [xs[i + 1] / xs[i] - 1.0 for i in range(0, len(xs) - 1, 2)]
         q = statistics.quantiles(pairs, n=4)
         lo, hi = median_ci95(pairs)
-        print(f"  {key:10s} median {statistics.median(xs) * 1e3:7.3f} ms a step "
-              f"(min {min(xs) * 1e3:.3f}, max {max(xs) * 1e3:.3f}); adjacent pairs "
+        scale, unit = (1e-3, "k/s") if key == "reference_rate" else (1e3, "ms a step")
+        print(f"  {key:15s} median {statistics.median(xs) * scale:7.3f} {unit} "
+              f"(min {min(xs) * scale:.3f}, max {max(xs) * scale:.3f}); adjacent pairs "
               f"{statistics.median(pairs) * 100:+.2f} % (95 % CI {lo * 100:+.2f} .. {hi * 100:+.2f}; "
               f"IQR {q[0] * 100:+.2f} .. {q[2] * 100:+.2f})")
     wall = statistics.median(b["wall"] for b in blocks)
