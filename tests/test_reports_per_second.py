@@ -87,26 +87,28 @@ def test_a_counted_step_moves_the_metrics_as_its_report_would(per_site):
     assert m.counts() == (1, 3, 2)
 
 
-def test_a_compiled_or_eager_job_reports_its_first_step_and_counts_every_step_after():
-    # A rate this low reports the step that learned the signatures and no steady step after it,
-    # however fast or slow this machine runs them: the outcome does not depend on timing.
+def test_a_job_reports_its_first_and_newest_steps_and_counts_the_steps_between():
+    # A rate this low reports the step that learned the signatures and, at each pass of the
+    # resolver, the newest step handed over (one pass here, or a few on a slow machine); every
+    # other step is counted, and each report says how many were counted before it.
     s = fadiag.attach(**{"exporter.enabled": False, "sampling.reports_per_second": 1e-6})
-    train(GPT(layers=2, dim=32, heads=2), steps=6, seq=32)
+    train(GPT(layers=2, dim=32, heads=2), steps=12, seq=32)
     assert s.flush(10)
-    assert [r.step for r in s.history()] == [1]
-    assert s.history()[0].calls[0].probe
+    reported = s.history()
+    assert reported[0].step == 1 and reported[0].calls[0].probe
+    assert s.last_step() is reported[-1] and reported[-1].step == 12
+    assert sum(1 + r.counted_before for r in reported) == 12 and len(reported) < 12
     registry = CollectorRegistry()
     registry.register(s.metrics)
     value = registry.get_sample_value
-    assert value("fadiag_steps_total", {"rank": "0"}) == 6
-    assert value("fadiag_steps_unreported_total", {"rank": "0"}) == 5
-    assert value("fadiag_attention_calls_total", {"rank": "0", "impl": "cpu_flash"}) == 12
+    assert value("fadiag_steps_total", {"rank": "0"}) == 12
+    assert value("fadiag_steps_unreported_total", {"rank": "0"}) == 12 - len(reported)
+    assert value("fadiag_attention_calls_total", {"rank": "0", "impl": "cpu_flash"}) == 24
     for what in ("forward", "backward"):
         labels = {"rank": "0", "impl": "cpu_flash"}
-        assert value(f"fadiag_attention_{what}_seconds_count", labels) == 12
+        assert value(f"fadiag_attention_{what}_seconds_count", labels) == 24
         assert value(f"fadiag_attention_{what}_seconds_sum", labels) > 0
-    assert value("fadiag_step_attention_seconds_count", {"rank": "0"}) == 6
-    assert s.last_step() is s.history()[0]
+    assert value("fadiag_step_attention_seconds_count", {"rank": "0"}) == 12
 
 
 def test_a_negative_rate_is_refused_naming_the_key():
@@ -125,3 +127,25 @@ def test_the_own_cost_hint_offers_fewer_reports_before_sampling():
     own.update(Totals(0.0, 0.0, 0, 0, 0))
     hint = own.update(Totals(10.0, 0.2, 1100, 6600, 6000))
     assert hint is not None and "reports_per_second" not in hint
+
+
+def test_a_runs_log_accounts_for_every_counted_step(tmp_path):
+    # Each report says how many steps were counted since the one before, and the newest step is
+    # always reported, so a run's JSONL (and `fadiag report` on it) accounts for every step.
+    from fadiag.cli.report.summary import format_summary, summarize
+    from fadiag.export.jsonl import read_run
+
+    fadiag.attach(**{"exporter.enabled": False, "sampling.reports_per_second": 1e-6,
+                     "jsonl.path": str(tmp_path)})
+    train(GPT(layers=2, dim=32, heads=2), steps=7, seq=32)
+    fadiag.detach()
+    run = read_run(next(tmp_path.glob("fadiag-rank0.jsonl")))
+    steps = [r.step for r in run.steps]
+    assert steps[0] == 1 and steps[-1] == 7
+    assert sum(1 + r.counted_before for r in run.steps) == 7
+    summary = summarize(run.steps)
+    n = len(steps)
+    assert summary.steps == n and summary.counted_steps == 7 - n > 0
+    assert format_summary(summary).startswith(
+        f"rank 0: {n} steps (1..7); {7 - n} more counted in the metrics without a report "
+        "(sampling.reports_per_second)")

@@ -228,6 +228,9 @@ class StepReport(Figures):
     """Host-clock steps: the share of their runnable time the process's threads spent waiting for
     a CPU since the previous measured step (0.3: another process held a core a third of the
     time); None where it is not read (device clocks) or not known (no Linux schedstat)."""
+    counted_before: int = 0
+    """Steps resolved since the previous report and counted without one
+    (sampling.reports_per_second): their calls are in the metrics, not in any report."""
 
     @property
     def attention_seconds(self) -> float:
@@ -270,6 +273,7 @@ class StepReport(Figures):
             "recompute_seconds": self.recompute_seconds,
             "unmeasured": dict(self.unmeasured),
             "cpu_wait": self.cpu_wait,
+            "counted_before": self.counted_before,
             "ratio": self.ratio,
             "kept_bytes": self.kept_bytes,
             "standard_bytes": self.standard_bytes,
@@ -297,6 +301,7 @@ class StepReport(Figures):
             recompute_seconds=float(d.get("recompute_seconds", 0.0)),
             unmeasured={str(k): int(v) for k, v in (d.get("unmeasured") or {}).items()},
             cpu_wait=d.get("cpu_wait"),
+            counted_before=int(d.get("counted_before", 0)),
         )
 
 

@@ -72,6 +72,7 @@ class Resolver:
         sooner than 1/rate after the last reported one is counted (`on_counted`), not reported."""
         self._on_counted = on_counted
         self._next_report_at = 0.0
+        self._counted = 0  # steps counted since the last report (its `counted_before`)
         self._tap = tap
         """The dispatcher tap now installed, or None (its uncut records, for the hang check)."""
         self.unmeasured = {} if unmeasured is None else unmeasured
@@ -262,7 +263,10 @@ class Resolver:
         if in_graph:
             step.count(GRAPH_BACKWARD, in_graph)
             self.unmeasured[GRAPH_BACKWARD] = self.unmeasured.get(GRAPH_BACKWARD, 0) + in_graph
-        if self._counted_only(step, steady=not (untimed or learned or step.unmeasured)):
+        # The newest step handed over is always reported: every counted step is then followed by
+        # a report that counts it (`counted_before`), and after a flush last_step() is the newest.
+        steady = not (untimed or learned or step.unmeasured or self._newest(step))
+        if self._counted_only(step, steady):
             self._count(kept)
         else:
             self._report(step, kept)
@@ -270,8 +274,8 @@ class Resolver:
 
     def _counted_only(self, step: ClosedStep, steady: bool) -> bool:
         """Whether `step` is counted without a report (sampling.reports_per_second): a steady step
-        (every call timed, none learning its signature, nothing unmeasured) closed sooner than
-        1/rate after the last reported step, on the training thread's clock."""
+        (every call timed, none learning its signature, nothing unmeasured, a newer step pending)
+        closed sooner than 1/rate after the last reported step, on the training thread's clock."""
         rate = self.reports_per_second
         if rate <= 0 or self._on_counted is None:
             return False
@@ -279,6 +283,11 @@ class Resolver:
             return True
         self._next_report_at = step.closed + 1.0 / rate
         return False
+
+    def _newest(self, step: ClosedStep) -> bool:
+        """Whether `step` is the newest closed step handed over (none after it pending)."""
+        return self._queue.empty() and not any(
+            isinstance(s, ClosedStep) and s is not step for s in self._pending)
 
     def _count(self, timed: list[tuple[Call, float, float, int, int]]) -> None:
         """A counted step's calls to the metrics: (impl, site, forward s, backward s,
@@ -294,6 +303,7 @@ class Resolver:
                          fi * 1e-9 > HOST_BOUND_SHARE * f or bi * 1e-9 > HOST_BOUND_SHARE * b))
         assert self._on_counted is not None
         self._on_counted(rows)
+        self._counted += 1
 
     def _release(self, calls: list[Call]) -> None:
         """Give back the marks of calls that will not be timed (a native slot is never reclaimed
@@ -343,7 +353,8 @@ class Resolver:
             step=step.index, forward_seconds=fwd, backward_seconds=bwd, kept_bytes=kept,
             standard_bytes=standard, peak_bytes=peak, step_peak_bytes=self._step_peak(step),
             calls=records, rank=self.rank, wall_time=step.wall_time, recompute_seconds=recompute,
-            unmeasured=step.unmeasured, cpu_wait=step.cpu_wait)
+            unmeasured=step.unmeasured, cpu_wait=step.cpu_wait, counted_before=self._counted)
+        self._counted = 0
         self._on_report(report)
         self.history.append(report)
 

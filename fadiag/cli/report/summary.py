@@ -127,6 +127,9 @@ class Summary:
     host_bound_calls: int = 0
     """Measured calls whose windows may hold host time (a starved device): not in any ratio."""
     measured_calls: int = 0
+    counted_steps: int = 0
+    """Steps resolved and counted without a report (sampling.reports_per_second): in the
+    metrics, not in these figures."""
 
 
 def run_logs(path: str | os.PathLike[str]) -> list[Path]:
@@ -206,6 +209,7 @@ def summarize(steps: Sequence[StepReport], flags: Sequence[Flag] | None = None,
         unmeasured=unmeasured,
         host_bound_calls=sum(s.host_bound_calls for s in steps),
         measured_calls=sum(len(s.calls) for s in steps),
+        counted_steps=sum(s.counted_before for s in steps),
     )
 
 
@@ -304,8 +308,10 @@ def format_summary(s: Summary) -> str:
     """Plain-text summary: headline figures, flags by rule, per-site table, flag episodes."""
     if s.steps == 0:
         return f"rank {s.rank}: no resolved steps"
+    unreported = (f"; {s.counted_steps} more counted in the metrics without a report "
+                  "(sampling.reports_per_second)" if s.counted_steps else "")
     lines = [
-        f"rank {s.rank}: {s.steps} steps ({s.first_step}..{s.last_step})",
+        f"rank {s.rank}: {s.steps} steps ({s.first_step}..{s.last_step}){unreported}",
         f"  median forward   {ms(s.median_forward_seconds)} ms",
         f"  median backward  {ms(s.median_backward_seconds)} ms",
         f"  median ratio     {num(s.median_ratio)}  (backward / forward)",
