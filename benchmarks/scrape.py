@@ -11,7 +11,8 @@ import urllib.request
 
 from prometheus_client import CollectorRegistry
 
-from fadiag.export.prometheus import Metrics, Server
+from fadiag.export.prometheus import Metrics
+from fadiag.export.server import Server
 from fadiag.steps.records import CallRecord, StepReport
 
 

@@ -29,7 +29,8 @@ from .config.loader import load_config
 from .errors import FadiagError
 from .export.jsonl import JsonlSink
 from .export.log import LogSink
-from .export.prometheus import Metrics, Server
+from .export.prometheus import Metrics
+from .export.server import Server
 from .export.sinks import CallbackSink, FanOut, Sink
 from .rules import baseline as baseline_mod
 from .rules.engine import Rules

@@ -2,50 +2,44 @@
 
 from __future__ import annotations
 
-import types
-
 import pytest
 from prometheus_client import CollectorRegistry
 
 import fadiag
 from fadiag import ConfigError
 from fadiag.export.prometheus import Metrics
+from fadiag.steps.counting import ReportRate
 from fadiag.steps.own_cost import OwnCost, Totals
 from fadiag.steps.records import CallRecord, StepReport
-from fadiag.steps.resolver import Resolver
 from tests.models import GPT, train
-
-
-def _resolver(rate: float) -> Resolver:
-    return Resolver(rank=0, history=10, open_calls=list, on_report=lambda report: None,
-                    on_tick=lambda age: None, on_error=lambda where, e: None,
-                    reports_per_second=rate, on_counted=lambda rows: None)
-
-
-def _closed(at: float) -> types.SimpleNamespace:
-    return types.SimpleNamespace(closed=at)
 
 
 def test_steady_steps_are_reported_at_the_rate_on_the_training_clock():
     # Steps 30 ms apart at 10 reports a second: the first, then the first closed 0.1 s or more
     # after the last reported one (here every fourth), whenever the resolver gets to them.
-    r = _resolver(10.0)
-    counted = [r._counted_only(_closed(100.0 + 0.03 * i), steady=True) for i in range(9)]
+    rate = ReportRate(10.0)
+    counted, before = [], []
+    for i in range(9):
+        counted.append(rate.counted_only(100.0 + 0.03 * i, steady=True))
+        if not counted[-1]:
+            before.append(rate.reported())  # each report: the steps counted since the last
     assert counted == [False, True, True, True, False, True, True, True, False]
+    assert before == [0, 3, 3]
 
 
 def test_a_step_that_learned_or_left_calls_unmeasured_is_always_reported():
-    r = _resolver(10.0)
-    assert not r._counted_only(_closed(100.0), steady=True)
-    assert not r._counted_only(_closed(100.01), steady=False)
+    rate = ReportRate(10.0)
+    assert not rate.counted_only(100.0, steady=True)
+    assert not rate.counted_only(100.01, steady=False)
     # ... and the rate counts from it.
-    assert r._counted_only(_closed(100.02), steady=True)
-    assert not r._counted_only(_closed(100.11), steady=True)
+    assert rate.counted_only(100.02, steady=True)
+    assert not rate.counted_only(100.11, steady=True)
 
 
 def test_zero_reports_every_step():
-    r = _resolver(0.0)
-    assert not any(r._counted_only(_closed(100.0 + 1e-3 * i), steady=True) for i in range(5))
+    rate = ReportRate(0.0)
+    assert not any(rate.counted_only(100.0 + 1e-3 * i, steady=True) for i in range(5))
+    assert rate.reported() == 0
 
 
 def _samples(registry: CollectorRegistry) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:

@@ -19,7 +19,8 @@ import psutil
 from ..capture.calls import Call
 from ..capture.timers import relax_capture_mode
 from .boundary import ClosedStep
-from .records import HOST_BOUND_SHARE, CallRecord, StepReport
+from .counting import ReportRate, Row, finite_seconds, rows
+from .records import CallRecord, StepReport
 
 GRAPH_BACKWARD = "graph_capture_backward"
 """The reason for a call whose forward was measured and whose backward ran while a CUDA (NPU)
@@ -53,8 +54,7 @@ class Resolver:
                  tap: Callable[[], Any] = lambda: None,
                  unmeasured: dict[str, int] | None = None,
                  reports_per_second: float = 0.0,
-                 on_counted: Callable[[list[tuple[str, str, float, float, bool, bool]]], None]
-                 | None = None):
+                 on_counted: Callable[[list[Row]], None] | None = None):
         self.rank = rank
         self.history: collections.deque[StepReport] = collections.deque(maxlen=history)
         self.oldest_inflight_seconds = 0.0
@@ -67,12 +67,9 @@ class Resolver:
         self._on_tick = on_tick
         self._on_error = on_error
         self._native_timers = native_timers
-        self.reports_per_second = reports_per_second
-        """sampling.reports_per_second: 0 reports every step; otherwise a steady step closed
-        sooner than 1/rate after the last reported one is counted (`on_counted`), not reported."""
+        self.rate = ReportRate(reports_per_second if on_counted is not None else 0.0)
+        """sampling.reports_per_second: which steps are counted (`on_counted`), not reported."""
         self._on_counted = on_counted
-        self._next_report_at = 0.0
-        self._counted = 0  # steps counted since the last report (its `counted_before`)
         self._tap = tap
         """The dispatcher tap now installed, or None (its uncut records, for the hang check)."""
         self.unmeasured = {} if unmeasured is None else unmeasured
@@ -266,44 +263,16 @@ class Resolver:
         # The newest step handed over is always reported: every counted step is then followed by
         # a report that counts it (`counted_before`), and after a flush last_step() is the newest.
         steady = not (untimed or learned or step.unmeasured or self._newest(step))
-        if self._counted_only(step, steady):
-            self._count(kept)
+        if self._on_counted is not None and self.rate.counted_only(step.closed, steady):
+            self._on_counted(rows(kept))
         else:
             self._report(step, kept)
         return True
-
-    def _counted_only(self, step: ClosedStep, steady: bool) -> bool:
-        """Whether `step` is counted without a report (sampling.reports_per_second): a steady step
-        (every call timed, none learning its signature, nothing unmeasured, a newer step pending)
-        closed sooner than 1/rate after the last reported step, on the training thread's clock."""
-        rate = self.reports_per_second
-        if rate <= 0 or self._on_counted is None:
-            return False
-        if steady and step.closed < self._next_report_at:
-            return True
-        self._next_report_at = step.closed + 1.0 / rate
-        return False
 
     def _newest(self, step: ClosedStep) -> bool:
         """Whether `step` is the newest closed step handed over (none after it pending)."""
         return self._queue.empty() and not any(
             isinstance(s, ClosedStep) and s is not step for s in self._pending)
-
-    def _count(self, timed: list[tuple[Call, float, float, int, int]]) -> None:
-        """A counted step's calls to the metrics: (impl, site, forward s, backward s,
-        recompute, host-bound), as `_report` makes their records."""
-        rows = []
-        for c, f, b, fi, bi in timed:
-            if f != f:  # the call's forward marks failed (counted as internal errors)
-                continue
-            f, b = _seconds(f), _seconds(b)
-            sig = c.sig
-            assert sig is not None
-            rows.append((sig.impl, c.site, f, b, c.recompute,
-                         fi * 1e-9 > HOST_BOUND_SHARE * f or bi * 1e-9 > HOST_BOUND_SHARE * b))
-        assert self._on_counted is not None
-        self._on_counted(rows)
-        self._counted += 1
 
     def _release(self, calls: list[Call]) -> None:
         """Give back the marks of calls that will not be timed (a native slot is never reclaimed
@@ -326,7 +295,7 @@ class Resolver:
                 continue
             sig = c.sig
             assert sig is not None
-            f, b = _seconds(f), _seconds(b)
+            f, b = finite_seconds(f), finite_seconds(b)
             kept_bytes = None if sig.forward_only else sig.kept_bytes
             # Positional, in CallRecord's field order: a third of the keywords' cost.
             record = CallRecord(
@@ -353,8 +322,7 @@ class Resolver:
             step=step.index, forward_seconds=fwd, backward_seconds=bwd, kept_bytes=kept,
             standard_bytes=standard, peak_bytes=peak, step_peak_bytes=self._step_peak(step),
             calls=records, rank=self.rank, wall_time=step.wall_time, recompute_seconds=recompute,
-            unmeasured=step.unmeasured, cpu_wait=step.cpu_wait, counted_before=self._counted)
-        self._counted = 0
+            unmeasured=step.unmeasured, cpu_wait=step.cpu_wait, counted_before=self.rate.reported())
         self._on_report(report)
         self.history.append(report)
 
@@ -401,9 +369,3 @@ class Resolver:
         self.oldest_inflight_seconds = oldest * 1e-9
         self._on_tick(self.oldest_inflight_seconds)
 
-
-def _seconds(x: float) -> float:
-    """Timings that are not a finite non-negative number are recorded as 0."""
-    if x != x or x < 0.0 or x == float("inf"):
-        return 0.0
-    return x
