@@ -621,7 +621,8 @@ def overview() -> dict:
             "CPU time of fadiag's resolver thread (marks to seconds, the reports, the rules, the "
             "sinks) per resolved step, by rank: fadiag's own cost beside training. Where the host "
             "is the bottleneck (a launch-bound step) it adds to the step time; set "
-            "sampling.every_n_steps there.",
+            "sampling.reports_per_second there (every call still timed) or "
+            "sampling.every_n_steps.",
             [target(f"sum by ({BY_RANK}) (rate(fadiag_resolver_cpu_seconds_total{{{SEL}}}[{RATE}]))\n"
                     f"  / sum by ({BY_RANK}) (rate(fadiag_steps_total{{{SEL}}}[{RATE}]))",
                     "rank {{rank}}")],

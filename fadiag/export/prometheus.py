@@ -18,6 +18,7 @@ from prometheus_client.core import (
     Metric,
 )
 
+from ..steps.counting import Row
 from ..steps.records import Flag, StepReport
 from .sinks import Sink
 
@@ -96,34 +97,17 @@ class Metrics(Sink):
     # ---- sink side (resolver thread) ------------------------------------------------------
 
     def emit(self, report: StepReport) -> None:
-        with self._lock:
-            for c in report.calls:
-                labels: tuple[str, ...] = (c.impl,)
-                if self.per_site:
-                    labels += (self._site_label(c.site),)
-                if not c.recompute:
-                    h = self._fwd.get(labels)
-                    if h is None:
-                        h = self._fwd[labels] = Histogram()
-                    h.observe(c.forward_seconds)
-                    self._calls[c.impl] = self._calls.get(c.impl, 0) + 1
-                if c.host_bound:
-                    self._host_bound[c.impl] = self._host_bound.get(c.impl, 0) + 1
-                if c.backward_seconds > 0.0:
-                    h = self._bwd.get(labels)
-                    if h is None:
-                        h = self._bwd[labels] = Histogram()
-                    h.observe(c.backward_seconds)
-            self._step.observe(report.attention_seconds)
-            self._steps += 1
-            self._last = report
+        self._observe([(c.impl, c.site, c.forward_seconds, c.backward_seconds, c.recompute,
+                        c.host_bound) for c in report.calls], report)
 
-    def count(self, calls: list[tuple[str, str, float, float, bool, bool]]) -> None:
-        """A step counted without a report (sampling.reports_per_second): each call's (impl,
-        site, forward seconds, backward seconds, recompute, host-bound) into the histograms and
-        counters as `emit` puts a reported call, the step into fadiag_steps_total and
+    def count(self, calls: list[Row]) -> None:
+        """A step counted without a report (sampling.reports_per_second): its calls into the
+        histograms and counters as `emit` puts a report's, the step into fadiag_steps_total and
         fadiag_steps_unreported_total. The last-step gauges stay the last report's."""
-        attention = 0.0
+        self._observe(calls, None)
+
+    def _observe(self, calls: list[Row], report: StepReport | None) -> None:
+        forward = backward = 0.0  # the step's attention seconds, summed as a report sums them
         with self._lock:
             for impl, site, f, b, recompute, host_bound in calls:
                 labels: tuple[str, ...] = (impl,)
@@ -135,7 +119,7 @@ class Metrics(Sink):
                         h = self._fwd[labels] = Histogram()
                     h.observe(f)
                     self._calls[impl] = self._calls.get(impl, 0) + 1
-                    attention += f
+                    forward += f
                 if host_bound:
                     self._host_bound[impl] = self._host_bound.get(impl, 0) + 1
                 if b > 0.0:
@@ -143,10 +127,14 @@ class Metrics(Sink):
                     if h is None:
                         h = self._bwd[labels] = Histogram()
                     h.observe(b)
-                    attention += b
-            self._step.observe(attention)
+                backward += b
             self._steps += 1
-            self._unreported += 1
+            if report is None:
+                self._step.observe(forward + backward)
+                self._unreported += 1
+            else:
+                self._step.observe(report.attention_seconds)
+                self._last = report
 
     def counts(self) -> tuple[int, int, int]:
         """Steps resolved, attention calls measured and, of those, host-bound ones, so far."""
