@@ -32,13 +32,14 @@ class SamplingConfig:
 
     every_n_steps: int = 1
     """Measure one step in N (1 = every step). Unmeasured steps cost one branch per call."""
-    reports_per_second: float = 0
-    """Build at most this many step reports a second of training (0 = every measured step).
-    The other measured steps are counted: every call's seconds go to the metrics' histograms and
-    counters, and fadiag_steps_unreported_total counts the steps, but no report is built for
-    them (no rules, log line, JSONL line or history entry). A step with a call learned, a call
-    unmeasured or a new signature is always reported. For launch-bound jobs with many steps a
-    second, where building a report per step costs the host (benchmarks/BENCHMARKS.md §4)."""
+    reports_per_second: float = 0.0
+    """Build a step report for about this many steps a second of training (0 = every measured
+    step). The other measured steps are counted: every call's seconds go to the metrics'
+    histograms and counters and fadiag_steps_unreported_total counts the step, but no report is
+    built for it (no rules, log line, JSONL line or history entry); the next report's
+    counted_before says how many. A step that learned a signature or left a call unmeasured, and
+    the newest step at each pass of the resolver, are always reported. For launch-bound jobs with
+    many steps a second, where a report per step costs the host (benchmarks/BENCHMARKS.md §4)."""
 
     def __post_init__(self) -> None:
         _validate(self)

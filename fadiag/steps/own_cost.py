@@ -86,8 +86,8 @@ class OwnCost:
         fewer = ""
         if not self.reports_per_second and steps / wall > REPORTS:
             fewer = (f"A report for {REPORTS} steps a second (sampling.reports_per_second: "
-                     f"{REPORTS}) keeps every call timed and counted in the metrics and builds "
-                     "spares most of that work; ")
+                     f"{REPORTS}) keeps every call timed and counted in the metrics and spares "
+                     "most of that work; ")
         return (f"fadiag: this job is host-bound (the device waited for the host in {host_bound:.0%}"
                 f" of the attention calls measured over the last {wall:.0f} s), and fadiag's "
                 f"resolver thread used {share:.1%} of that time in CPU ({per_step * 1e6:.0f} µs a "

@@ -262,9 +262,11 @@ class Resolver:
             self.unmeasured[GRAPH_BACKWARD] = self.unmeasured.get(GRAPH_BACKWARD, 0) + in_graph
         # The newest step handed over is always reported: every counted step is then followed by
         # a report that counts it (`counted_before`), and after a flush last_step() is the newest.
-        steady = not (untimed or learned or step.unmeasured or self._newest(step))
-        if self._on_counted is not None and self.rate.counted_only(step.closed, steady):
-            self._on_counted(rows(kept))
+        count = self._on_counted
+        if count is not None and self.rate.per_second > 0 and self.rate.counted_only(
+                step.closed, steady=not (untimed or learned or step.unmeasured
+                                         or self._newest(step))):
+            count(rows(kept))
         else:
             self._report(step, kept)
         return True
