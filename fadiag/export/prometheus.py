@@ -215,7 +215,8 @@ class Metrics(Sink):
                                 "taken, so it may have waited inside it for the host: idle when "
                                 "it opened, dry inside it, or done before it closed): their "
                                 "seconds are an upper bound, and the ratio rule does not judge "
-                                "them.", labels=["rank", "impl"])
+                                "them. Checkpointing's recomputations count here, not in "
+                                "fadiag_attention_calls_total.", labels=["rank", "impl"])
         for impl in sorted(calls.keys() | host_bound.keys()):  # 0: measured, none host-bound
             c.add_metric([r, impl], host_bound.get(impl, 0))
         yield c
