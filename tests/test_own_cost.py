@@ -33,6 +33,15 @@ def test_a_busy_resolver_on_a_host_bound_job_is_said_once_with_its_figures_and_a
     assert _window(own, share=0.05, host_bound=1.0, at=100.0, cpu=1.0, done=5000) is None
 
 
+def test_the_hint_offers_fewer_reports_before_sampling():
+    hint = _window(OwnCost(), share=0.02, host_bound=0.9, steps=1100)
+    assert hint is not None and "sampling.reports_per_second: 10" in hint
+    assert "sampling.every_n_steps: 20" in hint
+    # Already reporting fewer steps: the sampling period alone.
+    hint = _window(OwnCost(reports_per_second=10), share=0.02, host_bound=0.9, steps=1100)
+    assert hint is not None and "reports_per_second" not in hint
+
+
 def test_a_sampled_job_is_told_a_period_that_many_times_longer():
     hint = _window(OwnCost(every_n_steps=4), share=0.02, host_bound=0.8)
     assert hint is not None and "sampling.every_n_steps: 80" in hint

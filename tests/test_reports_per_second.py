@@ -9,7 +9,6 @@ import fadiag
 from fadiag import ConfigError
 from fadiag.export.prometheus import Metrics
 from fadiag.steps.counting import ReportRate
-from fadiag.steps.own_cost import OwnCost, Totals
 from fadiag.steps.records import CallRecord, StepReport
 from tests.models import GPT, train
 
@@ -108,19 +107,6 @@ def test_a_job_reports_its_first_and_newest_steps_and_counts_the_steps_between()
 def test_a_negative_rate_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match=r"sampling\.reports_per_second must be a number >= 0"):
         fadiag.attach(**{"exporter.enabled": False, "sampling.reports_per_second": -1})
-
-
-def test_the_own_cost_hint_offers_fewer_reports_before_sampling():
-    own = OwnCost()
-    own.update(Totals(0.0, 0.0, 0, 0, 0))
-    hint = own.update(Totals(10.0, 0.2, 1100, 6600, 6000))
-    assert hint is not None and "sampling.reports_per_second: 10" in hint
-    assert "sampling.every_n_steps: 20" in hint
-    # Already reporting fewer steps: the sampling period alone.
-    own = OwnCost(reports_per_second=10)
-    own.update(Totals(0.0, 0.0, 0, 0, 0))
-    hint = own.update(Totals(10.0, 0.2, 1100, 6600, 6000))
-    assert hint is not None and "reports_per_second" not in hint
 
 
 def test_a_runs_log_accounts_for_every_counted_step(tmp_path):

@@ -31,6 +31,8 @@ SEVERITIES = {"backward_forward_ratio": ("info", "warning"), "memory_savings": (
               "regression": ("warning",), "hang": ("critical",)}
 """The severities each rule's flags take: the label values of fadiag_flag_active."""
 OTHER_SITE = "other"
+
+
 class Histogram:
     """Classic-bucket counts over BUCKETS, kept by hand so a scrape builds families from a snapshot."""
 

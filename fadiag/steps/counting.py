@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .records import HOST_BOUND_SHARE
+from .records import windows_host_bound
 
 Row = tuple[str, str, float, float, bool, bool]
 """A counted call: impl, site, forward seconds, backward seconds, recompute, host-bound."""
@@ -68,5 +68,5 @@ def rows(timed: list[tuple[Any, float, float, int, int]]) -> list[Row]:
             continue
         f, b = finite_seconds(f), finite_seconds(b)
         out.append((c.sig.impl, c.site, f, b, c.recompute,
-                    fi * 1e-9 > HOST_BOUND_SHARE * f or bi * 1e-9 > HOST_BOUND_SHARE * b))
+                    windows_host_bound(f, b, fi * 1e-9, bi * 1e-9)))
     return out

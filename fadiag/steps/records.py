@@ -15,6 +15,13 @@ HOST_BOUND_SHARE = 0.05
 """A device window is host-bound when the host time it may hold is over this share of it."""
 
 
+def windows_host_bound(forward: float, backward: float, forward_host: float,
+                       backward_host: float) -> bool:
+    """Whether a call's forward or backward window (seconds) may hold more host time than
+    HOST_BOUND_SHARE of it (CallRecord.host_bound; a counted step's calls, steps/counting.py)."""
+    return forward_host > HOST_BOUND_SHARE * forward or backward_host > HOST_BOUND_SHARE * backward
+
+
 class Figures:
     """The two derived figures of anything with forward/backward seconds and kept/standard bytes
     (a call, a site, a step, a site over a run): the same definition everywhere (DESIGN.md)."""
@@ -86,8 +93,8 @@ class CallRecord(Figures):
         """Whether either window may hold more host time than HOST_BOUND_SHARE of it: its
         seconds then measure the host's launches as much as the kernel (a starved device), and
         the ratio rule does not judge the call."""
-        return (self.forward_host_seconds > HOST_BOUND_SHARE * self.forward_seconds
-                or self.backward_host_seconds > HOST_BOUND_SHARE * self.backward_seconds)
+        return windows_host_bound(self.forward_seconds, self.backward_seconds,
+                                  self.forward_host_seconds, self.backward_host_seconds)
 
     def to_dict(self) -> dict[str, Any]:
         d = dataclasses.asdict(self)
