@@ -43,8 +43,22 @@ def _is_compiling() -> bool:
     return False
 
 
+class _NotCompiling:
+    _is_compiling_flag = False
+
+
+_compiler: Any = _NotCompiling
 if hasattr(torch, "compiler") and hasattr(torch.compiler, "is_compiling"):
     _is_compiling = torch.compiler.is_compiling  # noqa: F811
+if (hasattr(torch, "compiler") and hasattr(torch.compiler, "is_dynamo_compiling")
+        and hasattr(torch.compiler, "_is_compiling_flag")):
+    # The wrapper's first test, `_is_compiling() or _compiler._is_compiling_flag`: dynamo folds
+    # is_dynamo_compiling() to True while it traces (and never reads the flag after it), and
+    # torch.export sets the flag. In eager that is one Python frame where is_compiling() is two
+    # (it asks torch.jit.is_scripting() first): inside a model's step every frame of the
+    # wrapper's is several times its cost in a tight loop (BENCHMARKS.md, runs 97-99).
+    _is_compiling = torch.compiler.is_dynamo_compiling  # noqa: F811
+    _compiler = torch.compiler
 
 
 class Recorder(StepBoundaries):
@@ -109,7 +123,7 @@ class Recorder(StepBoundaries):
         def fadiag_attention(*args: Any, **kwargs: Any) -> Any:
             # First, and touching no state: dynamo traces this function, and whatever it reads
             # here it guards on (a counter read would recompile the graph at every call).
-            if _is_compiling():
+            if _is_compiling() or _compiler._is_compiling_flag:
                 return original(*args, **kwargs)
             if rec.depth or not rec.enabled:
                 return original(*args, **kwargs)

@@ -23,6 +23,8 @@
 
 #include "pool.h"
 
+#include <structmember.h>
+
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
@@ -397,11 +399,88 @@ class FastBegin {
     const int64_t n = count == nullptr ? 0 : PyLong_AsLongLong(count);
     site_counts_[loc] = py::int_(n + 1);
     py::object site = site_name(loc, n);
-    py::object call = call_class_(
-        site, timer_, false, py::none(), py::none(),
-        known.linked ? py::object(py::none()) : py::object(py::make_tuple(args[0], args[1], args[2])));
+    py::object qkv = known.linked ? py::object(py::none())
+                                  : py::object(py::make_tuple(args[0], args[1], args[2]));
+    py::object call = new_call(site, qkv);
     call.attr(sig_name_) = known.sig;
     return call;
+  }
+
+  // A Call(site, timer, False, None, None, qkv) without running Python's __init__ (a frame of
+  // twenty attribute stores, the wrapper's costliest piece inside a model's step): its slots
+  // copied from a template Call that __init__ made, then the per-call ones written. Where the
+  // class is not what this expects (a slot that is not a plain object member, a default that
+  // is not immutable), every call goes through __init__.
+  py::object new_call(const py::object& site, const py::object& qkv) {
+    if (!fields_read_) read_fields();
+    if (fields_.empty()) return call_class_(site, timer_, false, py::none(), py::none(), qkv);
+    auto* type = reinterpret_cast<PyTypeObject*>(call_class_.ptr());
+    PyObject* obj = type->tp_alloc(type, 0);
+    if (obj == nullptr) throw py::error_already_set();
+    char* from = reinterpret_cast<char*>(template_.ptr());
+    char* to = reinterpret_cast<char*>(obj);
+    for (const Py_ssize_t off : fields_) {
+      PyObject* v = *reinterpret_cast<PyObject**>(from + off);
+      Py_XINCREF(v);
+      *reinterpret_cast<PyObject**>(to + off) = v;
+    }
+    py::object call = py::reinterpret_steal<py::object>(obj);
+    set_field(to, site_off_, site);
+    set_field(to, timer_off_, timer_);
+    set_field(to, qkv_off_, qkv);
+    set_field(to, host_ns_off_, py::int_(fadiag::steady_ns()));  // time.monotonic_ns()'s clock
+    return call;
+  }
+
+  static void set_field(char* obj, Py_ssize_t off, const py::object& value) {
+    PyObject** slot = reinterpret_cast<PyObject**>(obj + off);
+    PyObject* old = *slot;
+    *slot = py::object(value).release().ptr();
+    Py_XDECREF(old);
+  }
+
+  // The offsets of Call's slots and a template Call, once; none where the class has anything
+  // else (its construction then stays __init__'s).
+  void read_fields() {
+    fields_read_ = true;
+    try {
+      auto* type = reinterpret_cast<PyTypeObject*>(call_class_.ptr());
+      if (!PyType_Check(call_class_.ptr()) || type->tp_dictoffset != 0 ||
+          type->tp_base != &PyBaseObject_Type) {
+        return;  // a __dict__ or a base class of its own: not the plain slotted class
+      }
+      py::object made = call_class_(py::str(""), timer_, false, py::none(), py::none(), py::none());
+      std::vector<Py_ssize_t> offsets;
+      std::unordered_map<std::string, Py_ssize_t> named;
+      for (py::handle name : py::tuple(call_class_.attr("__slots__"))) {
+        PyObject* d = PyDict_GetItem(type->tp_dict, name.ptr());  // borrowed
+        if (d == nullptr || Py_TYPE(d) != &PyMemberDescr_Type) return;
+        PyMemberDef* m = reinterpret_cast<PyMemberDescrObject*>(d)->d_member;
+        if (m->type != T_OBJECT_EX || (m->flags & READONLY)) return;
+        const std::string field = py::cast<std::string>(name);
+        PyObject* v = *reinterpret_cast<PyObject**>(reinterpret_cast<char*>(made.ptr()) + m->offset);
+        const bool per_call = field == "site" || field == "timer" || field == "qkv" ||
+                              field == "host_ns";  // written for each call below
+        if (v == nullptr || !(per_call || v == Py_None || PyBool_Check(v) ||
+                              PyLong_CheckExact(v) || PyFloat_CheckExact(v) ||
+                              PyUnicode_CheckExact(v))) {
+          return;  // unset, or a default that calls would share and could change
+        }
+        offsets.push_back(m->offset);
+        named[field] = m->offset;
+      }
+      for (const char* need : {"site", "timer", "qkv", "host_ns"}) {
+        if (named.count(need) == 0) return;
+      }
+      site_off_ = named["site"];
+      timer_off_ = named["timer"];
+      qkv_off_ = named["qkv"];
+      host_ns_off_ = named["host_ns"];
+      template_ = std::move(made);
+      fields_ = std::move(offsets);
+    } catch (py::error_already_set&) {
+      fields_.clear();  // fetched and cleared: __init__ makes every call
+    }
   }
 
   // "file:line#n", the site of the n-th call from `loc` in this pass, as Recorder._site names it;
@@ -567,6 +646,10 @@ class FastBegin {
   c10::DeviceType device_type_;
   py::dict internal_, locations_, site_counts_;
   py::object call_class_;
+  bool fields_read_ = false;
+  std::vector<Py_ssize_t> fields_;  // Call's slots, by offset (empty: __init__ makes each call)
+  py::object template_;             // a Call that __init__ made: every slot's default
+  Py_ssize_t site_off_ = 0, timer_off_ = 0, qkv_off_ = 0, host_ns_off_ = 0;
   int64_t skip_;
   int64_t max_calls_;
   static constexpr int64_t kSiteNames = 4096;  // ordinals per location kept as strings, at most
