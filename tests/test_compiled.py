@@ -232,6 +232,26 @@ def test_tap_off_leaves_compiled_attention_unmeasured_but_steps_counted():
     assert s.tap_status == "off"
 
 
+@pytest.mark.parametrize("strict", [False, True])
+def test_torch_export_with_fadiag_attached_records_no_call_and_exports_sdpa(strict):
+    """The wrapper's first test lets the call pass untouched while dynamo traces it (strict
+    export: is_dynamo_compiling) and while torch.export traces without dynamo (its compiling
+    flag): nothing recorded, and the exported graph holds the attention op."""
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    q, k, v = (torch.randn(1, 2, 16, 8) for _ in range(3))
+    s = fadiag.attach(port=0, tap="on")
+    exported = torch.export.export(Attention(), (q, k, v), strict=strict)
+    assert s.recorder.calls_since_boundary == 0
+    assert s.recorder.calls == []
+    assert "scaled_dot_product" in str(exported.graph)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.equal(exported.module()(q, k, v), expected)
+
+
 def test_every_tapped_mark_is_given_back_after_a_flush(measured):
     torch._dynamo.reset()
     s = fadiag.attach(port=0, tap="on")

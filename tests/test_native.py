@@ -754,6 +754,37 @@ def test_the_fast_path_starts_calls_exactly_as_python_does(ext, monkeypatch):
 
 
 @pytest.mark.skipif(sys.version_info < (3, 11), reason="the fast path needs Python 3.11's frame API")
+def test_the_fast_path_makes_each_call_as_init_would_without_running_it(ext, monkeypatch):
+    from fadiag.capture.calls import Call
+
+    s = fadiag.attach(port=0, native="on", tap="on")
+    model = GPT(layers=4)
+    train(model, steps=3)  # the signature learned, the tap serving it: later calls are linked
+    made_by_init: set[int] = set()
+    init = Call.__init__
+
+    def counted(self, *args, **kwargs):
+        made_by_init.add(id(self))
+        init(self, *args, **kwargs)
+
+    monkeypatch.setattr(Call, "__init__", counted)
+    before = time.monotonic_ns()
+    model(torch.randint(0, 64, (2, 64)))  # one forward: the calls stay open, untouched after it
+    after = time.monotonic_ns()
+    made_in_cpp = [c for c in s.recorder.calls if id(c) not in made_by_init]
+    assert len(made_in_cpp) >= 3, [c.site for c in s.recorder.calls]  # the phase's first is Python's
+    for c in made_in_cpp:
+        assert type(c) is Call
+        assert before <= c.host_ns <= after  # time.monotonic_ns()'s clock
+        assert c.link > 0 and c.sig is not None and c.qkv is None and c.timer is not None
+        assert c.site.startswith("tests/models.py:")
+        reference = Call(c.site, c.timer, False, None, None, None)
+        for name in Call.__slots__:
+            if name not in ("host_ns", "link", "sig"):
+                assert getattr(c, name) == getattr(reference, name), name
+
+
+@pytest.mark.skipif(sys.version_info < (3, 11), reason="the fast path needs Python 3.11's frame API")
 def test_the_fast_path_is_used_while_one_native_timer_marks(ext):
     s = attach(native="on")
     train(GPT(layers=2), steps=3)
