@@ -272,9 +272,13 @@ class Resolver:
         return True
 
     def _newest(self, step: ClosedStep) -> bool:
-        """Whether `step` is the newest closed step handed over (none after it pending)."""
-        return self._queue.empty() and not any(
-            isinstance(s, ClosedStep) and s is not step for s in self._pending)
+        """Whether `step` is the newest closed step handed over (none after it pending): the last
+        closed step pending, looked for from the end (flush markers are all that can follow it),
+        not every pending step scanned for each step resolved."""
+        if not self._queue.empty():
+            return False
+        last = next((s for s in reversed(self._pending) if isinstance(s, ClosedStep)), None)
+        return last is None or last is step
 
     def _release(self, calls: list[Call]) -> None:
         """Give back the marks of calls that will not be timed (a native slot is never reclaimed
