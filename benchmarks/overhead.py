@@ -26,6 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from marks_first import marks_first  # noqa: E402
 
 import fadiag  # noqa: E402
+from fadiag.capture import eager as eager_module  # noqa: E402
 from fadiag.steps import resolver as resolver_module  # noqa: E402
 
 
@@ -101,6 +102,7 @@ def make(name: str):
 
 
 batch_s = resolver_module._BATCH_S
+eager_unavailable = eager_module.unavailable
 ATTACH_DEFAULTS: dict = {}
 """Configuration every fadiag variant attaches with (other scripts set e.g. a CPU device)."""
 
@@ -147,7 +149,14 @@ def variant(name: str, model: nn.Module):
             # The resolver wakes every N s, not every _BATCH_S (0.5 s): fewer or more steps
             # resolved a wake, back to back in its backward windows.
             resolver_module._BATCH_S = float(name.rpartition("_")[2])
-        session = fadiag.attach(**overrides)
+        if name == "fadiag_python_wrapper":
+            # SDPA's Python wrapper kept (not the builtin, capture/eager.py): every steady eager
+            # call in two Python frames, as before the builtin.
+            eager_module.unavailable = lambda ext: "off for this variant"
+        try:
+            session = fadiag.attach(**overrides)
+        finally:
+            eager_module.unavailable = eager_unavailable
         if name == "fadiag_no_report":
             # The resolver waits for the marks and gives them back, and builds no report (no
             # rules, no sinks): what is left is the training thread's own cost and the marks'.
@@ -161,7 +170,7 @@ def variant(name: str, model: nn.Module):
             # code's do (sites `compiled#n`), so what is left is the tap's C++, the step boundary
             # and the resolver: the wrapper's own share is fadiag minus this.
             wrapped = F.scaled_dot_product_attention
-            F.scaled_dot_product_attention = wrapped.__wrapped__
+            F.scaled_dot_product_attention = torch._C._nn.scaled_dot_product_attention
         if name == "fadiag_no_window":
             # The resolver does not wait for a backward window: it resolves what is pending
             # whenever it wakes (every 0.1 s), in one burst.

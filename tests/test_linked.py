@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import fadiag
+from fadiag.capture import eager
 from tests.models import GPT, train
 from tests.native_marks import NEEDS_TAP
 
@@ -233,18 +234,26 @@ def _native_calls_per_sdpa(q: torch.Tensor, calls: int) -> list[list[str]]:
     return seen
 
 
-def test_a_learned_call_the_tap_times_is_one_native_call_from_the_wrapper():
+@pytest.mark.parametrize("wrapper", ["builtin", "python"])
+def test_a_learned_call_the_tap_times_is_one_native_call(wrapper, monkeypatch):
+    if wrapper == "python":  # where the builtin is not used (capture/eager.py)
+        monkeypatch.setattr(eager, "unavailable", lambda ext: "off for this test")
     s = fadiag.attach(port=0, tap="on", native="on")
+    assert eager.is_builtin(F.scaled_dot_product_attention) is (wrapper == "builtin")
     q = torch.randn(1, 2, 16, 8, requires_grad=True)
     for _ in range(3):
         per_call = _native_calls_per_sdpa(q, 3)  # a step's forward, then its backward
         first = _native_calls_per_sdpa(q, 1)  # a micro-batch: a forward after a backward
         fadiag.step()
     assert s.flush(10)
-    # Learned calls from a known line are handed whole to C++ (FastBegin.call): no Tap.enter,
+    # Learned calls from a known line are handed whole to C++ (FastBegin.call): by the builtin,
+    # with nothing else called from Python; by the Python wrapper, its one C call. No Tap.enter,
     # no Recorder.begin; a forward after a backward opens its micro-batch in Python first.
-    assert all(names[0] == "call" and not {"enter", "begin", "exit"} & set(names)
-               for names in per_call)
+    if wrapper == "builtin":
+        assert per_call == [[]] * 3
+    else:
+        assert all(names[0] == "call" and not {"enter", "begin", "exit"} & set(names)
+                   for names in per_call)
     assert {"call", "enter", "begin", "exit"} <= set(first[0])
     last = s.history()[-1]
     assert len(last.calls) == 4
@@ -272,13 +281,18 @@ def _learned() -> tuple[fadiag.Session, torch.Tensor]:
     return s, q
 
 
-def test_an_error_raised_inside_a_native_whole_call_reaches_the_caller_unchanged():
+@pytest.mark.parametrize("wrapper", ["builtin", "python"])
+def test_an_error_raised_inside_a_native_whole_call_reaches_the_caller_unchanged(wrapper,
+                                                                                 monkeypatch):
+    if wrapper == "python":
+        monkeypatch.setattr(eager, "unavailable", lambda ext: "off for this test")
     s, q = _learned()
+    assert eager.is_builtin(F.scaled_dot_product_attention) is (wrapper == "builtin")
     names: list[str] = []
 
     def profile(frame, event, arg):  # type: ignore[no-untyped-def]
-        if event == "c_call" and frame.f_code.co_name == "fadiag_attention":
-            names.append(getattr(arg, "__name__", str(arg)))
+        if frame.f_code.co_name == "fadiag_attention" and event in ("call", "c_call"):
+            names.append("frame" if event == "call" else getattr(arg, "__name__", str(arg)))
 
     first = _attend(q)
     # `scale` is not part of a signature: the call takes the native path from a known line,
@@ -289,7 +303,8 @@ def test_an_error_raised_inside_a_native_whole_call_reaches_the_caller_unchanged
             _attend(q, scale="wide")
     finally:
         sys.setprofile(None)
-    assert names == ["call"]  # raised inside the native whole call
+    # Raised inside the native whole call: the builtin's, or the one the Python wrapper makes.
+    assert names == ([] if wrapper == "builtin" else ["frame", "call"])
     assert s.recorder.depth == 0
     out = _attend(q)  # the wrapper's state is whole again
     (first + out).sum().backward()

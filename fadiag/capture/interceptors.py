@@ -2,8 +2,9 @@
 attention registry, and the dispatcher tap.
 
 Every wrapper's body is the recorder's `wrap()`; the tap, once its extension is built or loaded,
-is handed to the recorder, whose steps take in its calls. `restore()` and `uninstall_tap()`
-undo it all; the session decides when.
+is handed to the recorder, whose steps take in its calls, and SDPA's Python wrapper gives way to
+a builtin (eager.py) whose steady call runs no Python. `restore()` and `uninstall_tap()` undo it
+all; the session decides when.
 """
 
 from __future__ import annotations
@@ -17,9 +18,10 @@ from typing import Any
 import torch
 
 from ..config import Config
+from . import eager
 from .attention_op import AttentionOp, first_tensor
 from .device import available
-from .ops import OPS, read_hf, reader_for_layout, resolve_target
+from .ops import OPS, quick_sdpa, read_hf, reader_for_layout, resolve_target
 from .patcher import Patcher
 from .tap import Tap
 from .tap import supported as tap_supported
@@ -55,6 +57,15 @@ class Interceptors:
         """Set first thing by the session's close(): a build finishing later installs nothing."""
         self.tap_status = "off" if config.tap == "off" else "not loaded"
         """The dispatcher tap: "installed", "loading", "off", "not loaded" or "unavailable: …"."""
+        self.eager_wrapper = "python"
+        """SDPA's eager wrapper: "native" (the builtin of eager.py) or "python" (with why, where
+        the builtin was wanted and not used)."""
+        self._sdpa: list[tuple[AttentionOp, Any, str, Any, Any]] = []
+        """(op, owner, attribute, original, Python wrapper) for each SDPA function wrapped."""
+        self._builtins: list[Any] = []
+        self._ext: Any = None
+        self._forget_undo: Callable[[], None] | None = None
+        self._frames_at_attach = eager.dynamo_frames()
 
     # ---- Python wrappers -------------------------------------------------------------------
 
@@ -79,14 +90,18 @@ class Interceptors:
                 continue
             owner, attr = found
             original = getattr(owner, attr)
-            if getattr(original, "__wrapped_by_fadiag__", False) or id(original) in done:
+            if (getattr(original, "__wrapped_by_fadiag__", False) or eager.is_builtin(original)
+                    or id(original) in done):
                 continue
-            wrapper = self.recorder.wrap(op.prepare(original) if op.prepare else original, op)
+            inner = op.prepare(original) if op.prepare else original
+            wrapper = self.recorder.wrap(inner, op)
             self._patcher.replace(owner, attr, wrapper)
             self._patcher.alias_builtin(original, wrapper)
             done.add(id(original))
             if self.config.interceptors.rebind_imported:
                 self._patcher.rebind_everywhere(original, wrapper)
+            if op.quick is quick_sdpa:
+                self._sdpa.append((op, owner, attr, inner, wrapper))
 
     def instrument(self, fn: Any, name: str | None, layout: str, heads: int | None,
                    causal_arg: int | str | None = None) -> Any:
@@ -134,6 +149,53 @@ class Interceptors:
     def restore(self) -> None:
         """Put back every function and registry entry replaced, exactly."""
         self._patcher.restore()
+        if self._forget_undo is not None:
+            self._forget_undo()
+            self._forget_undo = None
+        for fn in self._builtins:  # a reference kept anywhere calls the original from now on
+            self._ext.eager_bind(fn, None, None, None)
+        self._builtins.clear()
+        self._sdpa.clear()
+
+    # ---- SDPA's builtin wrapper ------------------------------------------------------------
+
+    def _use_builtins(self, ext: Any) -> None:
+        """Put SDPA's builtin (eager.py) where its Python wrapper is, once the tap times calls.
+
+        Not where dynamo compiled a frame since attach: that code is guarded on the Python
+        wrapper, and a new function in its place would recompile it."""
+        why = eager.unavailable(ext)
+        if why is None and eager.dynamo_frames() != self._frames_at_attach:
+            why = "torch.compile traced code with the Python wrapper first"
+        if why is not None:
+            self.eager_wrapper = f"python ({why})"
+            log.info("fadiag: eager SDPA calls keep the Python wrapper (%s): each learned call "
+                     "costs two Python frames more", why)
+            return
+        self._ext = ext
+        rebind = self.config.interceptors.rebind_imported
+        for op, owner, attr, original, wrapper in self._sdpa:
+            fn = eager.builtin(ext, original)
+            ext.eager_bind(fn, wrapper, self.recorder, op)
+            self._builtins.append(fn)
+            self._patcher.replace(owner, attr, fn)
+            self._patcher.alias_builtin(original, fn)
+            if rebind:
+                self._patcher.rebind_everywhere(wrapper, fn)
+        if self._builtins:
+            self.eager_wrapper = "native"
+            self._forget_undo = eager.on_failure(self._python_again)
+
+    def _python_again(self) -> None:
+        """Dynamo refused the builtins: the Python wrappers go back in their place (a builtin
+        dynamo does not know would break its graph)."""
+        for _, owner, attr, _, wrapper in self._sdpa:
+            if eager.is_builtin(getattr(owner, attr, None)):
+                setattr(owner, attr, wrapper)
+        if self.config.interceptors.rebind_imported:
+            for fn, (_, _, _, _, wrapper) in zip(self._builtins, self._sdpa, strict=False):
+                self._patcher.rebind_everywhere(fn, wrapper)
+        self.eager_wrapper = f"python ({eager.unavailable(self._ext)})"
 
     # ---- the dispatcher tap ----------------------------------------------------------------
 
@@ -188,6 +250,11 @@ class Interceptors:
         tap.set_measuring(self.recorder.measuring)
         self.recorder.set_tap(tap)
         self.tap_status = "installed"
+        try:
+            self._use_builtins(ext)
+        except Exception as e:  # the Python wrappers stay: every call is measured as before
+            self._on_error("eager builtin", e)
+            self.eager_wrapper = f"python ({type(e).__name__}: {e})"
 
     def _tap_unavailable(self, why: str) -> None:
         self.tap_status = f"unavailable: {why.removeprefix('unavailable: ')}"

@@ -27,9 +27,10 @@ except ImportError:  # Windows: torch's lock alone, cleared by age
 
 log = logging.getLogger("fadiag")
 
-SOURCES = tuple(Path(__file__).parent / "_native" / name for name in ("marks.cpp", "tap.cpp"))
+SOURCES = tuple(Path(__file__).parent / "_native" / name
+                for name in ("marks.cpp", "tap.cpp", "eager.cpp"))
 """marks.cpp: the marks and autograd hooks; tap.cpp: the dispatcher tap (fadiag/capture/tap.py); both
-share _native/pool.h."""
+share _native/pool.h; eager.cpp: the eager SDPA wrapper as a builtin (fadiag/capture/eager.py)."""
 
 _lock = threading.Lock()
 _modules: dict[str, ModuleType] = {}

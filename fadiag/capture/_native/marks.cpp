@@ -300,8 +300,10 @@ class FastBegin {
   // The whole steady-state call of a signature the dispatcher tap times, called by the wrapper
   // in place of Tap.enter, Recorder.begin, `original` and Tap.exit: the call recorded and linked,
   // `original(*args, **kwargs)` called and its result returned. NotImplemented where the call is
-  // not one it takes (Python's path then runs), before anything is changed.
-  py::object call(py::handle original, py::tuple args, py::dict kwargs, py::handle recorder) {
+  // not one it takes (Python's path then runs), before anything is changed. `skip`: frames from
+  // the current one to the wrapper's caller (1 from the Python wrapper, 0 from eager.cpp's).
+  py::object call(py::handle original, py::tuple args, py::dict kwargs, py::handle recorder,
+                  int64_t skip) {
     const Known* known = nullptr;
     py::list calls;
     py::object loc;
@@ -311,7 +313,7 @@ class FastBegin {
       if (backward_seen < 0) throw py::error_already_set();
       if (PyList_Check(held.ptr())) {  // the recorder's own list, not a copy of something else
         calls = py::reinterpret_borrow<py::list>(held);
-        known = find(args, kwargs, calls, backward_seen == 1, skip_ - 1, loc);  // no begin frame
+        known = find(args, kwargs, calls, backward_seen == 1, skip, loc);
       }
     } catch (const std::exception&) {  // error_already_set too: the error is fetched, cleared
       known = nullptr;  // Python's path meets the same failure, and counts it
@@ -360,6 +362,7 @@ class FastBegin {
   }
 
   int64_t size() const { return static_cast<int64_t>(sigs_.size()); }
+  int64_t skip() const { return skip_; }
 
  private:
   struct Known {
@@ -665,7 +668,23 @@ class FastBegin {
 }  // namespace
 
 namespace fadiag {
-void bind_tap(pybind11::module_& m);  // tap.cpp
+void bind_tap(pybind11::module_& m);    // tap.cpp
+void bind_eager(pybind11::module_& m);  // eager.cpp
+
+#if PY_VERSION_HEX >= 0x030B0000
+// FastBegin.call for eager.cpp's wrapper, which calls it with no Python frame of its own: `fast`
+// is a FastBegin (Recorder._fast).
+py::object fast_call(py::handle fast, py::handle original, py::tuple args, py::dict kwargs,
+                     py::handle recorder) {
+  FastBegin* f = nullptr;
+  try {
+    f = &py::cast<FastBegin&>(fast);
+  } catch (const py::cast_error&) {  // not one (yet): the Python wrapper's path
+    return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+  }
+  return f->call(original, std::move(args), std::move(kwargs), recorder, 0);
+}
+#endif
 
 // The CUDA caching allocator's aggregate allocated bytes on `device` (-1: the calling thread's
 // current device): (current, peak, allocated so far). Three numbers read under the allocator's
@@ -722,6 +741,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("wake_window", &Marks::wake_window)
       .def("pool", &Marks::pool);
   fadiag::bind_tap(m);
+  fadiag::bind_eager(m);
   m.def("allocator_stats", &fadiag::allocator_stats, pybind11::arg("device") = -1,
         pybind11::call_guard<pybind11::gil_scoped_release>());
 #if PY_VERSION_HEX >= 0x030B0000
@@ -729,7 +749,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def(pybind11::init<Marks&, pybind11::object, const std::string&, pybind11::dict,
                           pybind11::dict, pybind11::dict, pybind11::object, int64_t, int64_t>())
       .def("begin", &FastBegin::begin)
-      .def("call", &FastBegin::call)
+      .def("call",  // from the Python wrapper: past its frame (the wrapper has no begin frame)
+           [](FastBegin& f, py::handle original, py::tuple args, py::dict kwargs,
+              py::handle recorder) {
+             return f.call(original, std::move(args), std::move(kwargs), recorder, f.skip() - 1);
+           })
       .def("remember", &FastBegin::remember)
       .def("size", &FastBegin::size);
 #endif
