@@ -63,6 +63,8 @@ class EagerWrapper {
  private:
   PyObject* call(PyObject* args, PyObject* kwargs) {
     if (recorder_.is_none() || compiling()) return PyObject_Call(original_.ptr(), args, kwargs);
+    // Held for the call: a detach on another thread may unbind this builtin while it runs.
+    const py::object held_recorder = recorder_, held_python = python_, held_op = op_;
     py::object fast;
     switch (state(fast)) {
       case kPython:
