@@ -58,7 +58,9 @@ def main() -> None:
     p.add_argument("--seq-lens", default="1024,2048,4096,8192")
     p.add_argument("--tokens", type=int, default=16384, help="B x S in every cell")
     args = p.parse_args()
-    rows = []
+    rows: list[dict] = []
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "rows": rows}
     for backend, causal, d, dtype in itertools.product(
             BACKENDS, (True, False), (64, 128), (torch.bfloat16, torch.float16)):
         for s in (int(x) for x in args.seq_lens.split(",")):
@@ -71,9 +73,8 @@ def main() -> None:
             print(f"{backend:9s} {row['dtype']:8s} causal={causal!s:5s} D={d:3d} S={s:5d} "
                   f"B={row['B']:2d}: fwd {row['forward_ms']:.3f} ms, bwd {row['backward_ms']:.3f}"
                   f" ms, ratio {row['ratio']:.2f}", flush=True)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-              "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv), "rows": rows}
-    Path(args.out).write_text(json.dumps(result, indent=1))
+            # Written after every cell: a run cut short keeps what it measured.
+            Path(args.out).write_text(json.dumps(result, indent=1))
 
 
 if __name__ == "__main__":
