@@ -117,10 +117,12 @@ class RatioRuleConfig:
     A call that learned its signature (the first of each shape) is never judged."""
     host_window_steps: int = 9
     """Host-clock timings (CPU) are judged on a site's fastest backward over its fastest forward
-    in its last this-many steps, once it has that many: the host clock counts every preemption
-    (in scheduler slices of milliseconds, so one step can read 30x, and beside a busy process
-    most backward calls are stretched), and a preemption only ever adds time; a really slow
-    backward is slow in every step."""
+    in a window of this many steps, and a site is over the line when its last this-many windows
+    all are (2n-1 steps): the host clock counts every preemption (in scheduler slices of
+    milliseconds, so one step can read 30x, and beside a busy process most backward calls are
+    stretched), a preemption only ever adds time, and a neighbour that comes and goes leaves the
+    short forward undisturbed more often than the backward; a really slow backward is slow in
+    every window."""
     max_cpu_wait: float = 0.5
     """Host-clock (CPU) steps in which the process's threads spent more than this share of their
     runnable time waiting for a CPU (Linux's schedstat) are not judged: past half, a two-thread

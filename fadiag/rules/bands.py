@@ -13,8 +13,11 @@ from dataclasses import dataclass
 from ..steps.records import SiteSummary
 
 _GRID = "torch 2.11, benchmarks/BENCHMARKS.md ratio grid"
-"""The grid: benchmarks/ratio_grid.py on 2026-11-30, causal and not, D 64 and 128, fp16 and bf16
-(benchmarks/results/ratio-grid-h200.json)."""
+"""The H200 grid: benchmarks/ratio_grid.py on 2026-11-30, causal and not, D 64 and 128, fp16 and
+bf16 (benchmarks/results/ratio-grid-h200.json)."""
+_GRID_H100 = "torch 2.11, benchmarks/BENCHMARKS.md H100 ratio grid"
+"""The same grid on an H100 80GB HBM3 (SXM) on 2026-12-05 (benchmarks/results/ratio-grid-h100.json):
+every H100 (PCIe, NVL) runs the same sm_90 kernels, so the band is the card's, matched on "H100"."""
 _LLAMA = "and a 16-layer HF Llama at B=2-8"
 """A healthy 16-layer HF Llama (GQA, S=2048, bf16) on cuDNN measured 3.25-3.38 per layer at B=2,
 and up to 3.47 at B=8, with and without checkpointing (2026-12-01, benchmarks/BENCHMARKS.md;
@@ -68,6 +71,12 @@ BANDS: tuple[Band, ...] = (
     + _bands("H200", "cudnn", {2048: (2.65, 3.48)}, f"{_GRID}, {_LLAMA}")
     + _bands("H200", "efficient", {1024: (2.92, 3.31), 2048: (2.92, 3.31), 4096: (2.94, 3.28),
                                    8192: (2.98, 3.25)}, _GRID)
+    + _bands("H100", "flash", {1024: (3.41, 3.75), 2048: (3.04, 3.37), 4096: (2.85, 3.12),
+                             8192: (2.75, 3.02)}, _GRID_H100)
+    + _bands("H100", "cudnn", {1024: (3.07, 3.73), 2048: (2.72, 3.27), 4096: (2.59, 3.03),
+                             8192: (2.53, 2.85)}, _GRID_H100)
+    + _bands("H100", "efficient", {1024: (3.01, 3.45), 2048: (3.02, 3.38), 4096: (3.05, 3.34),
+                                   8192: (3.11, 3.32)}, _GRID_H100)
 )
 """Only what was measured: other devices, impls, lengths, fp32 and Sq != Sk have no band."""
 

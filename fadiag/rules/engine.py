@@ -34,9 +34,17 @@ def ratio_calls(calls: Iterable[CallRecord]) -> list[CallRecord]:
 
 
 def fastest_ratio(window: Sequence[tuple[float, float]]) -> float:
-    """The fastest backward over the fastest forward of (forward, backward) seconds: how the
-    ratio rule judges host-clock timings over a window of steps (Rules._judged_ratio)."""
+    """The fastest backward over the fastest forward of (forward, backward) seconds: what the
+    ratio rule reads from a window of host-clock steps (Rules._judged_ratio)."""
     return min(map(_BACKWARD, window)) / min(map(_FORWARD, window))
+
+
+def host_judged_ratios(seconds: Sequence[tuple[float, float]], n: int) -> list[float]:
+    """What the ratio rule judges at each step of a site's host-clock (forward, backward)
+    seconds, once it has enough: the lowest of the last `n` windows' fastest ratios over `n`
+    steps each (Rules._judged_ratio step by step, for a whole run at once)."""
+    windows = [fastest_ratio(seconds[i - n:i]) for i in range(n, len(seconds) + 1)]
+    return [min(windows[i - n:i]) for i in range(n, len(windows) + 1)]
 
 
 class Rules:
@@ -61,7 +69,8 @@ class Rules:
                                      functools.partial(self._contended, "regression"), self._flag,
                                      self.active)
         self._evaluated = 0
-        self._host: dict[object, deque[float]] = {}  # host-clock ratios, per site key
+        self._host: dict[object, deque[tuple[float, float]]] = {}  # host-clock seconds, per key
+        self._windows: dict[object, deque[float]] = {}  # their windows' fastest ratios, per key
         self._device: dict[object, deque[float]] = {}  # device-clock ratios, the last 3, per key
         self.contended_steps = {"backward_forward_ratio": 0, "regression": 0}
         """Host-clock steps a timing rule did not judge, by rule: the process's threads waited
@@ -114,15 +123,19 @@ class Rules:
 
     def _judged_ratio(self, key: object, forward: float, backward: float,
                       host: bool) -> float | None:
-        """The ratio the rule judges: the step's own, or on host-clock timings the fastest
-        backward over the fastest forward of the key's last `host_window_steps` steps (None until
-        it has that many).
+        """The ratio the rule judges: the step's own, or on host-clock timings the lowest, over
+        the key's last `host_window_steps` windows, of the fastest backward over the fastest
+        forward of `host_window_steps` steps (None until it has that many windows).
 
         A preemption only ever adds time, in scheduler slices of milliseconds: beside a busy
         process most of a two-thread kernel's backward calls wait at a barrier for a preempted
         thread (the median of 9 steps read 2.6-4x for a healthy 2x kernel), while some run
-        undisturbed. The fastest call is the closest to what the kernel costs (timeit's rule);
-        a backward that really is slow is slow in every step."""
+        undisturbed. The fastest call is the closest to what the kernel costs (timeit's rule).
+        But a neighbour that comes and goes leaves a short forward undisturbed more often than
+        the backward, 2.3x longer: one window's fastest ratio read up to 3.20x for a healthy
+        2.2x kernel, each window's for as long as its luckiest forward stays in it (9 steps).
+        A backward that really is slow is slow in every window: the lowest of 9 read at most
+        2.71x healthy and over 3x for a backward 1.8x slower (benchmarks/host_ratio.py)."""
         value = ratio(backward, forward)
         if value is None:
             return value
@@ -134,7 +147,9 @@ class Rules:
         recent.append((forward, backward))
         if len(recent) < n:
             return None
-        return fastest_ratio(recent)
+        windows = bounded(self._windows, key, lambda: deque(maxlen=n))
+        windows.append(fastest_ratio(recent))
+        return min(windows) if len(windows) == n else None
 
     def _ratio(self, report: StepReport, sites: list[SiteSummary]) -> dict[tuple[str, str], Flag]:
         cfg = self.cfg.backward_forward_ratio
@@ -167,7 +182,9 @@ class Rules:
             wait = report.cpu_wait
             busy = (f"; the process waited for a CPU {wait:.0%} of the time" if wait is not None
                     and wait > self.cfg.regression.max_cpu_wait else "")
-            median = f" (fastest of the last {cfg.host_window_steps} steps{busy})"
+            median = (f" (host clock: the lowest of the last {cfg.host_window_steps} windows' "
+                      f"fastest backward over fastest forward of {cfg.host_window_steps} steps"
+                      f"{busy})")
         if total is not None and total > line and fwd >= cfg.min_forward_seconds and over:
             s, r, _, typical = max(over, key=lambda x: x[1])
             key = ("backward_forward_ratio", TOTAL)

@@ -40,8 +40,8 @@ def add_parser(subparsers: argparse._SubParsersAction) -> None:
             "Runs each of the job's attention shapes on each of its SDPA backends under fadiag "
             "on this machine and writes rules.backward_forward_ratio.per_impl: per impl, the "
             "largest healthy ratio fadiag measured, as its rule judges it (on a GPU the largest "
-            "step; on CPU the fastest backward over the fastest forward of each run of "
-            "host_window_steps steps) plus a margin. Shapes come from "
+            "step; on CPU the lowest of host_window_steps windows' fastest backward over "
+            "fastest forward of host_window_steps steps) plus a margin. Shapes come from "
             "a run log (--from) or --shape."),
     )
     p.add_argument("--from", dest="run", type=_args.existing_file, default=None,

@@ -18,7 +18,7 @@ import fadiag
 
 from ...config.schema import RatioRuleConfig
 from ...errors import FadiagError
-from ...rules.engine import fastest_ratio, ratio_calls
+from ...rules.engine import fastest_ratio, host_judged_ratios, ratio_calls
 from ...steps.records import StepReport
 
 WINDOW = RatioRuleConfig().host_window_steps
@@ -67,17 +67,19 @@ class Measured:
     @property
     def judged(self) -> float | None:
         """What the rule would judge at worst over the steps: on a device clock the largest step
-        (it judges every step); on the host clock the largest, over every run of WINDOW steps, of
-        the fastest backward over the fastest forward (what the rule judges there), or, with
-        fewer steps, that figure over all of them; from ratios alone (no seconds), their median."""
+        (it judges every step); on the host clock the largest of what it judges there (the lowest
+        of WINDOW windows' fastest backward over fastest forward of WINDOW steps), or, with fewer
+        steps, the fastest ratio over all of them; from ratios alone (no seconds), their
+        median."""
         if not self.ratios:
             return None
         if not self.host_clock:
             return max(self.ratios)
         if not self.seconds:
             return statistics.median(self.ratios)
-        n = min(WINDOW, len(self.seconds))
-        return max(fastest_ratio(self.seconds[i:i + n]) for i in range(len(self.seconds) - n + 1))
+        if len(self.seconds) < 2 * WINDOW - 1:
+            return fastest_ratio(self.seconds)
+        return max(host_judged_ratios(self.seconds, WINDOW))
 
 
 def shapes_from_run(steps: Iterable[StepReport]) -> dict[tuple[str, Shape], None]:
