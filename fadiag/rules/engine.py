@@ -132,10 +132,11 @@ class Rules:
         thread (the median of 9 steps read 2.6-4x for a healthy 2x kernel), while some run
         undisturbed. The fastest call is the closest to what the kernel costs (timeit's rule).
         But a neighbour that comes and goes leaves a short forward undisturbed more often than
-        the backward, 2.3x longer: one window's fastest ratio read up to 3.20x for a healthy
-        2.2x kernel, each window's for as long as its luckiest forward stays in it (9 steps).
-        A backward that really is slow is slow in every window: the lowest of 9 read at most
-        2.71x healthy and over 3x for a backward 1.8x slower (benchmarks/host_ratio.py)."""
+        the backward, 2.3x longer: one window's fastest ratio read up to 3.44x for a healthy
+        2.0-2.4x kernel beside a spinning process, every window for as long as its luckiest
+        forward stays in it. A backward that really is slow is slow in every window: the lowest
+        of 9 read at most 2.70x healthy, and over 3x in 94-100 % of the judgments of a backward
+        1.8x slower (benchmarks/host_ratio.py, BENCHMARKS.md section 8)."""
         value = ratio(backward, forward)
         if value is None:
             return value
