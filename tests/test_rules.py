@@ -394,6 +394,9 @@ def test_a_lucky_forward_among_stretched_steps_does_not_flag_but_a_slow_backward
     # A backward that really is 1.8x slower reads 3.96x in every window.
     [flag] = _raised(rules, [_stretched(i, 1.0, 3.96) for i in range(80, 100)])
     assert flag.step == 96 and flag.value == pytest.approx(3.96)
+    # What is normal for cpu_flash on the host clock, and what else reads as a slow backward.
+    assert "cpu_flash measured 2.0-2.4x healthy" in flag.message
+    assert "fadiag calibrate measures this machine's own range" in flag.message
 
 
 def test_a_host_clock_backward_stretched_in_most_steps_does_not_flag():
