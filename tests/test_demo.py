@@ -125,14 +125,15 @@ def test_slow_backward_raises_the_ratio_flag_for_the_instrumented_function(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     # The ratio rule judges steady state: not the first warmup_steps (3) steps, and on the host
     # clock the lowest of a site's last host_window_steps (9) windows of 9 steps' fastest
-    # ratio (17 steps); 22 steps leave it two to speak.
+    # ratio (17 steps at the least; a window whose every forward was preempted reads low and
+    # holds it back up to 9 more); 40 steps leave it room.
     # Every step is judged (max_cpu_wait 1): this is about the demo's fault, and a machine
     # busier than one neighbour would leave it no step to judge (tests/test_host.py has those).
     config = tmp_path / "fadiag.yaml"
     config.write_text("rules:\n  backward_forward_ratio:\n    max_cpu_wait: 1.0\n")
     monkeypatch.setenv("FADIAG_CONFIG", str(config))
     out = io.StringIO()
-    cfg = DemoConfig(steps=22, port=0, slow_backward=True, live=False, **SMALL)
+    cfg = DemoConfig(steps=40, port=0, slow_backward=True, live=False, **SMALL)
     assert run_demo(cfg, out) == 0
     text = out.getvalue()
     assert "impl demo_slow" in text
