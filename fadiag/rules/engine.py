@@ -69,8 +69,9 @@ class Rules:
                                      functools.partial(self._contended, "regression"), self._flag,
                                      self.active)
         self._evaluated = 0
-        self._host: dict[object, deque[tuple[float, float]]] = {}  # host-clock seconds, per key
-        self._windows: dict[object, deque[float]] = {}  # their windows' fastest ratios, per key
+        # Per key on the host clock: its last (forward, backward) seconds and the fastest ratios
+        # of its last windows, kept and evicted together.
+        self._host: dict[object, tuple[deque[tuple[float, float]], deque[float]]] = {}
         self._device: dict[object, deque[float]] = {}  # device-clock ratios, the last 3, per key
         self.contended_steps = {"backward_forward_ratio": 0, "regression": 0}
         """Host-clock steps a timing rule did not judge, by rule: the process's threads waited
@@ -144,11 +145,10 @@ class Rules:
             bounded(self._device, key, lambda: deque(maxlen=3)).append(value)
             return value
         n = self.cfg.backward_forward_ratio.host_window_steps
-        recent = bounded(self._host, key, lambda: deque(maxlen=n))
+        recent, windows = bounded(self._host, key, lambda: (deque(maxlen=n), deque(maxlen=n)))
         recent.append((forward, backward))
         if len(recent) < n:
             return None
-        windows = bounded(self._windows, key, lambda: deque(maxlen=n))
         windows.append(fastest_ratio(recent))
         return min(windows) if len(windows) == n else None
 
