@@ -402,6 +402,11 @@ def test_a_lucky_forward_among_stretched_steps_does_not_flag_but_a_slow_backward
     # What is normal for cpu_flash on the host clock, and what else reads as a slow backward.
     assert "cpu_flash measured 2.0-2.4x healthy" in flag.message
     assert "fadiag calibrate measures this machine's own range" in flag.message
+    assert "over 3x in every window" in flag.message
+    # A job's own threshold is the line the message names.
+    rules = _rules(backward_forward_ratio={"per_impl": {"cpu_flash": 3.5}})
+    [flag] = _raised(rules, [_stretched(i, 1.0, 3.96) for i in range(1, 21)])
+    assert flag.threshold == 3.5 and "over 3.5x in every window" in flag.message
 
 
 def test_a_host_clock_backward_stretched_in_most_steps_does_not_flag():

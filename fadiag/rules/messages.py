@@ -69,10 +69,10 @@ def ratio_advice(value: float, threshold: float, s: SiteSummary, site_value: flo
                "and launches fused kernels")
     elif s.device == "cpu" and s.impl == "cpu_flash":
         why = (": on CPU the host clock times both passes, and cpu_flash measured 2.0-2.4x "
-               "healthy beside busy neighbours (benchmarks/BENCHMARKS.md section 8): over 3x in "
-               "every window is a slower backward, or a neighbour the CPU wait does not show "
-               "(memory bandwidth, a hypervisor's steal); fadiag calibrate measures this "
-               "machine's own range")
+               "healthy beside busy neighbours (benchmarks/BENCHMARKS.md section 8): over "
+               f"{threshold:g}x in every window is a slower backward, or a neighbour the CPU "
+               "wait does not show (memory bandwidth, a hypervisor's steal); fadiag calibrate "
+               "measures this machine's own range")
     elif s.shape[2] <= 512:
         why = (f": short sequence (S={s.shape[2]}): the step is launch-bound and backward ≈4x "
                "forward is normal here; raise rules.backward_forward_ratio.min_forward_seconds "
