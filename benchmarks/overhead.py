@@ -450,6 +450,73 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int,
     return out
 
 
+def measure_rotated(model_name: str, variants: list[str], rounds: int, steps: int,
+                    seconds: float | None = None) -> dict:
+    """Every variant and plain once a round, in an order that turns each round, so that each
+    variant is compared with blocks run seconds apart, not minutes.
+
+    The launch-bound step is the host's, and its speed drifts from block to block (runs 92-96:
+    a plain block's wall from 7.9 to 13.0 ms a step, neighbours correlated). Measured one variant
+    after another, fadiag and the floor are minutes apart and their difference carries that
+    drift; here both are read against the same round's plain block, and their gap is read
+    directly, round by round: `gap_to_floor`, (variant - floor) / plain, in points of the plain
+    step, with the distribution-free 95 % interval of its median. A second plain block a round
+    is the noise reference (plain vs plain). Each block's wall is kept (`blocks`), so runs can be
+    pooled."""
+    MARKS_SEEN.clear()
+    model, step = make(model_name)
+    for _ in range(10):
+        step()
+    runs = ["plain", "plain_again"] + [
+        v for v in variants
+        if not (MODELS[model_name].get("compile") and v.startswith(("floor", "sync")))]
+    host_bound = not model_name.endswith("gpu_bound")
+    for v in runs[1:]:  # warm each variant once (signatures learned, the tap built)
+        with variant(v if v != "plain_again" else "plain", model):
+            block_time(step, 3)
+    n = steps
+    walls: dict[str, list[float]] = {v: [] for v in runs}
+    began = time.monotonic()
+    for i in range(rounds):
+        if seconds is not None and i >= 5 and time.monotonic() - began > seconds:
+            break
+        k = i % len(runs)
+        order = runs[k:] + runs[:k]
+        if (i // len(runs)) % 2:
+            order.reverse()
+        for v in order:
+            with variant(v if v != "plain_again" else "plain", model) as settle:
+                walls[v].append(block_time(step, n, 1, settle if host_bound else _nothing))
+    plain = walls["plain"]
+    out: dict = {"design": "rotated", "rounds": len(plain), "steps_per_block": n,
+                 "blocks_ms": {v: [w * 1e3 for w in ws] for v, ws in walls.items()}}
+    floor_name = next((v for v in runs if v.startswith("floor")), None)
+    for v in runs[1:]:
+        ratios = [b / a - 1.0 for a, b in zip(plain, walls[v], strict=True)]
+        q = statistics.quantiles(ratios, n=4)
+        row = out[v if v != "plain_again" else "plain_vs_plain"] = {
+            "overhead_median": statistics.median(ratios), "overhead_q1": q[0], "overhead_q3": q[2],
+            "median_ci95": list(median_ci95(ratios)), "pairs": len(ratios),
+            "plain_ms": statistics.median(plain) * 1e3,
+            "variant_ms": statistics.median(walls[v]) * 1e3}
+        line = (f"{model_name:13s} {v:20s} {row['overhead_median'] * 100:+7.2f} % "
+                f"(95 % CI {row['median_ci95'][0] * 100:+.2f} .. {row['median_ci95'][1] * 100:+.2f};"
+                f" IQR {q[0] * 100:+.2f} .. {q[2] * 100:+.2f})")
+        if floor_name is not None and v not in (floor_name, "plain_again"):
+            gaps = [(b - f) / a for a, b, f in zip(plain, walls[v], walls[floor_name], strict=True)]
+            lo, hi = median_ci95(gaps)
+            row["gap_to_floor"] = {"median": statistics.median(gaps), "median_ci95": [lo, hi]}
+            line += (f"; over the floor {statistics.median(gaps) * 100:+.2f} points "
+                     f"({lo * 100:+.2f} .. {hi * 100:+.2f})")
+        if v in MARKS_SEEN:
+            row["marks"] = sorted(MARKS_SEEN.pop(v))
+            line += f"; marks {','.join(row['marks'])}"
+        print(line, flush=True)
+    print(f"{model_name:13s} {len(plain)} rounds of {len(runs)} blocks of {n} steps; plain "
+          f"{statistics.median(plain) * 1e3:.2f} ms a step", flush=True)
+    return out
+
+
 def median_ci95(values: list[float]) -> tuple[float, float]:
     """A distribution-free 95 % confidence interval of the median (order statistics): two
     variants whose intervals overlap are not told apart by this run."""
@@ -502,6 +569,9 @@ def main() -> None:
     # 5-step blocks and 0.3 with 20-step blocks on the H200 (BENCHMARKS.md, runs 14 and 16).
     p.add_argument("--gpu-steps", type=int, default=20,
                    help="steps per GPU-bound block (each block ends in a device synchronise)")
+    p.add_argument("--rotate", action="store_true",
+                   help="every variant and plain once a round, the order turning each round "
+                        "(measure_rotated); --pairs is then the most rounds")
     p.add_argument("--memory-steps", type=int, default=0,
                    help="also measure host RSS and device memory over this many steps (e.g. 10000)")
     args = p.parse_args()
@@ -515,7 +585,10 @@ def main() -> None:
         gpu_bound = m.endswith("gpu_bound")
         steps = args.gpu_steps if gpu_bound else args.launch_steps
         pairs = args.pairs or (20 if gpu_bound else 30)
-        result[m] = measure(m, variants, pairs, steps, args.seconds)
+        if args.rotate:
+            result[m] = measure_rotated(m, variants, args.pairs or 1000, steps, args.seconds)
+        else:
+            result[m] = measure(m, variants, pairs, steps, args.seconds)
     if args.memory_steps:
         result["memory"] = memory_over_steps(args.memory_steps)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
