@@ -46,6 +46,7 @@ PIECES = (
     (resolver.Resolver, "_step_peak", "    allocator peak"),
     ("rules", "evaluate", "    rules"),
     ("sinks", "emit", "    sinks"),
+    ("metrics", "count", "  a counted step's rows, counted"),
 )
 
 
@@ -88,13 +89,16 @@ def main() -> None:
         if not isinstance(owner, str):
             setattr(owner, attr, timed(times[label], getattr(owner, attr)))
     session = fadiag.attach(port=0, **overhead.ATTACH_DEFAULTS)
-    owners = {"rules": session.rules, "sinks": session.sinks}
+    owners = {"rules": session.rules, "sinks": session.sinks, "metrics": session.metrics}
     for owner, attr, label in PIECES:
         if isinstance(owner, str):
             setattr(owners[owner], attr, timed(times[label], getattr(owners[owner], attr)))
     held: list = []
     if args.replay:
         session.resolver.submit = held.append
+        # Replayed one by one, every step would be the newest handed over, which is always
+        # reported: with a rate set, the others are counted as they would be in situ.
+        session.resolver._newest = lambda step: False
     settle = overhead.inline_resolution(session) if args.inline else None
     try:
         step([])  # signatures learned

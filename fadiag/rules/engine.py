@@ -178,14 +178,14 @@ class Rules:
         # The step as a whole is judged against the most lenient threshold of its impls: a step
         # over it has at least one site over its own.
         line = max((j[2] for j in judged), default=cfg.threshold)
-        median = ""
+        judged_how = ""
         if host:
             wait = report.cpu_wait
             busy = (f"; the process waited for a CPU {wait:.0%} of the time" if wait is not None
                     and wait > self.cfg.regression.max_cpu_wait else "")
-            median = (f" (host clock: the lowest of the last {cfg.host_window_steps} windows' "
-                      f"fastest backward over fastest forward of {cfg.host_window_steps} steps"
-                      f"{busy})")
+            judged_how = (f" (host clock: the lowest of the last {cfg.host_window_steps} "
+                          f"windows' fastest backward over fastest forward of "
+                          f"{cfg.host_window_steps} steps{busy})")
         if total is not None and total > line and fwd >= cfg.min_forward_seconds and over:
             s, r, _, typical = max(over, key=lambda x: x[1])
             key = ("backward_forward_ratio", TOTAL)
@@ -193,14 +193,14 @@ class Rules:
             out[key] = self._held(key, severity) or self._flag(
                 "backward_forward_ratio", total, line, report.step, TOTAL, s,
                 ratio_advice(total, line, s, r, typical, len(over), len(sites), self.device,
-                             median), severity=severity, band=band_label(s, self.device))
+                             judged_how), severity=severity, band=band_label(s, self.device))
         elif self.cfg.per_site:
             for s, r, t, typical in over:
                 key = ("backward_forward_ratio", s.site)
                 severity = "info" if self._healthy(s, typical) else "warning"
                 out[key] = self._held(key, severity) or self._flag(
                     "backward_forward_ratio", r, t, report.step, s.site, s,
-                    ratio_advice(r, t, s, r, typical, None, len(sites), self.device, median),
+                    ratio_advice(r, t, s, r, typical, None, len(sites), self.device, judged_how),
                     severity=severity, band=band_label(s, self.device))
         return out
 

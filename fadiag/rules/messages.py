@@ -36,11 +36,11 @@ def site_text(s: SiteSummary | None, n: int | None, n_sites: int) -> str:
 
 def ratio_advice(value: float, threshold: float, s: SiteSummary, site_value: float,
                  typical: float, n_over: int | None, n_sites: int, device: str,
-                 median: str) -> str:
-    """What the flag says: the figure, where, and whether it is what the kernel does when healthy
-    (the measured band, against `typical`: the site's ratio over its last steps), then what to
-    do."""
-    head = f"backward/forward {value:.2f}x > {threshold:g}x{median}"
+                 judged_how: str) -> str:
+    """What the flag says: the figure (with `judged_how`, how a host-clock figure was judged),
+    where, and whether it is what the kernel does when healthy (the measured band, against
+    `typical`: the site's ratio over its last steps), then what to do."""
+    head = f"backward/forward {value:.2f}x > {threshold:g}x{judged_how}"
     if n_over is None:
         where = f" (site {s.site}: {shape_text(s)})"
     else:
