@@ -385,8 +385,10 @@ def overview() -> dict:
         ),
         table(
             "Ranks",
-            "One row per rank: run id, world size, host and device (fadiag_run_info), and the "
-            "fadiag build serving it (fadiag_build_info).",
+            "One row per rank: run id, world size, host and device (fadiag_run_info), the "
+            "fadiag build serving it (fadiag_build_info), and what sees its attention "
+            "(fadiag_capture_info): a compiled model's steps report no calls where the tap is not "
+            "installed.",
             [
                 target(f"fadiag_run_info{{{SEL}}}", instant=True, table=True),
                 target(
@@ -395,8 +397,9 @@ def overview() -> dict:
                     instant=True,
                     table=True,
                 ),
+                target(f"fadiag_capture_info{{{SEL}}}", instant=True, table=True),
             ],
-            hide=["Time", "Value #A", "Value #B", "__name__", "job"],
+            hide=["Time", "Value #A", "Value #B", "Value #C", "__name__", "job"],
         ),
         row("Attention time"),
         timeseries(

@@ -136,6 +136,7 @@ class Session:
                          cfg.exporter.addr, self.port)
         self.resolver.start()
         self._install()
+        self._capture_info()
         self.recorder.start()
 
     def _install(self) -> None:
@@ -206,7 +207,16 @@ class Session:
         self.sinks.emit(report)
         self.sinks.flags(flags)
 
+    def _capture_info(self) -> None:
+        """fadiag_capture_info's labels: the tap's state and the eager wrapper's kind, without
+        their reasons (those are in the log and `fadiag doctor`)."""
+        info = {"tap": self.capture.tap_status.partition(":")[0],
+                "eager_wrapper": self.capture.eager_wrapper.partition(" ")[0]}
+        if info != self.metrics.capture_info:
+            self.metrics.capture_info = info
+
     def _on_tick(self, oldest_inflight: float) -> None:
+        self._capture_info()
         self.metrics.oldest_inflight_seconds = oldest_inflight
         self.metrics.resolver_cpu_seconds = self.resolver.cpu_seconds
         rec = self.recorder
@@ -256,6 +266,7 @@ class Session:
         self.recorder.boundary("manual")
         done = self.resolver.flush(timeout)
         self.metrics.resolver_cpu_seconds = self.resolver.cpu_seconds
+        self._capture_info()
         return done
 
     def save_baseline(self, path: str | os.PathLike[str], skip: int = 10) -> None:

@@ -87,6 +87,7 @@ CONTRACT: dict[str, tuple[str, frozenset[str]]] = {
         ("fadiag_last_step_timestamp_seconds", "gauge", {"rank"}),
         ("fadiag_build_info", "gauge", {"version", "torch", "device"}),
         ("fadiag_run_info", "gauge", {"rank", "run_id", "world_size", "hostname", "device_name"}),
+        ("fadiag_capture_info", "gauge", {"rank", "tap", "eager_wrapper"}),
     ]
 }
 FLAG_RULES = ("backward_forward_ratio", "memory_savings", "regression", "hang")

@@ -6,7 +6,11 @@ Python wrapper runs; the tap (fadiag/capture/tap.py, capture/_native/tap.cpp) me
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,6 +24,7 @@ from tests.models import GPT, train
 from tests.native_marks import NEEDS_TAP
 
 SEQ, BATCH, DIM, HEADS, LAYERS = 64, 2, 32, 2, 2
+ROOT = Path(__file__).resolve().parents[1]
 
 
 pytestmark = NEEDS_TAP
@@ -220,6 +225,34 @@ def test_a_tapped_forward_without_backward_is_counted_as_no_grad():
     assert s.flush(10)
     assert s.last_step() is None  # nothing measured: no step to report at fadiag.step()
     assert s.recorder.unmeasured_totals()["no_grad"] == 1
+
+
+def test_a_new_process_measures_the_first_compiled_step_with_the_default_tap():
+    """As a user runs it: a new interpreter, the default `tap: auto`, the extension built on an
+    earlier run. The first step's compiled attention is measured (a tap installed only at the
+    first step boundary missed it, and the step read as one without attention)."""
+    from fadiag.capture import native
+
+    assert native.load("cpu") is not None, native.status("cpu")  # the earlier run's build
+    script = textwrap.dedent(f"""
+        import torch
+        import fadiag
+        from tests.models import GPT, train
+        torch.manual_seed(0)
+        model = torch.compile(GPT(layers={LAYERS}, dim={DIM}, heads={HEADS}))
+        session = fadiag.attach(port=0)
+        print(session.tap_status)
+        train(model, 2, seq={SEQ}, batch={BATCH})
+        assert session.flush(30) and session.errors == 0
+        for r in session.history():
+            print(r.step, [(c.site, c.impl, c.forward_seconds > 0, c.backward_seconds > 0)
+                           for c in r.calls], r.unmeasured)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    calls = [(f"compiled#{i}", "cpu_flash", True, True) for i in range(LAYERS)]
+    assert done.stdout.splitlines() == ["installed", f"1 {calls} {{}}", f"2 {calls} {{}}"]
 
 
 def test_tap_off_leaves_compiled_attention_unmeasured_but_steps_counted():

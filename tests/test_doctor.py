@@ -94,6 +94,30 @@ def test_native_marks_are_reported_and_built_on_request(capsys: pytest.CaptureFi
     assert "native marks (compiler" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize(("cached", "fresh", "says"), [
+    (False, False, "not built yet"), (True, False, "older than its sources"), (True, True, None)])
+def test_doctor_says_whether_the_tap_loads_at_attach_or_is_built_first(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str],
+        cached: bool, fresh: bool, says: str | None) -> None:
+    from fadiag.capture import native
+    from fadiag.capture.tap import supported
+
+    if supported() is not None:
+        pytest.skip(f"no tap with this torch: {supported()}")
+    monkeypatch.setattr(native, "status", lambda kind: "not built")
+    monkeypatch.setattr(native, "cached", lambda kind: cached)
+    monkeypatch.setattr(native, "fresh", lambda kind: fresh)
+    tap = diagnose(Query(device="cpu"))["tap"]
+    assert tap["usable"] == fresh
+    if says is None:
+        assert tap["why_not"] is None
+    else:
+        assert says in tap["why_not"] and "--build-native" in tap["why_not"]
+    assert main(["doctor", "--device", "cpu"]) in (0, 1)
+    out = capsys.readouterr().out
+    assert ("ready" if fresh else "not ready: the native extension is " + says) in out
+
+
 def test_json_output_is_the_whole_report(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["doctor", "--device", "cpu", "--json", "--seq-len", "128"]) == 0
     report = json.loads(capsys.readouterr().out)

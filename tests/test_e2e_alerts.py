@@ -191,6 +191,9 @@ class StandInExporter:
         )
         g.add_metric([rank, self.run_id, "1", "standin", "cpu"], 1)
         yield g
+        g = GaugeMetricFamily("fadiag_capture_info", "Stand-in.", labels=["rank", "tap", "eager_wrapper"])
+        g.add_metric([rank, "installed", "native"], 1)
+        yield g
 
 
 # --- the real training processes --------------------------------------------------------------

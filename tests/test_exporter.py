@@ -37,6 +37,7 @@ CONTRACT = {
     "fadiag_internal_errors": "counter",
     "fadiag_resolver_cpu_seconds": "counter",
     "fadiag_build_info": "gauge",
+    "fadiag_capture_info": "gauge",
 }
 
 
@@ -383,6 +384,21 @@ def test_detach_returns_promptly_with_the_exporter_running():
     # At most about 0.05 s (the serving thread looks for a shutdown every 50 ms); prometheus_client's
     # own server made every detach() wait out its 0.5 s poll. The bound leaves room for a busy host.
     assert took < 0.25
+
+
+def test_capture_info_says_what_sees_attention_so_a_compiled_rank_without_the_tap_shows():
+    """A rank whose steps report no calls: no attention, or compiled attention no tap sees. The
+    capture gauge tells them apart on a dashboard, as the log and `fadiag doctor` do."""
+    s = fadiag.attach(port=0, tap="off")
+    train(GPT(layers=1), steps=2)
+    assert s.flush(10)
+    [sample] = families(scrape(s.port))["fadiag_capture_info"].samples
+    assert sample.value == 1 and sample.labels == {"rank": "0", "tap": "off", "eager_wrapper": "python"}
+    s.capture.tap_status = "unavailable: no C++ compiler"  # as a container without one reports
+    assert s.flush(10)
+    [sample] = families(scrape(s.port))["fadiag_capture_info"].samples
+    assert sample.labels["tap"] == "unavailable"
+    assert "installed, loading, off, not loaded, unavailable" in _help_texts(s.port)["fadiag_capture_info"]
 
 
 def _help_texts(port: int) -> dict[str, str]:

@@ -535,6 +535,45 @@ def test_compiled_model_reports_every_call_with_the_impl_that_ran(backend):
     assert session.errors == 0
 
 
+def test_a_new_process_measures_the_first_compiled_step_with_the_default_tap(native_marks_built):
+    """As a user runs it: a new interpreter, the default `tap: auto`, the CUDA build cached by an
+    earlier run (the fixture's): the tap is installed at attach(), so the first compiled step's
+    attention is measured, with the impl that ran."""
+    import subprocess
+    import textwrap
+    from pathlib import Path
+
+    assert native_marks_built is not None
+    script = textwrap.dedent("""
+        import torch
+        import torch.nn.functional as F
+        import fadiag
+        from tests.models import GPT
+        torch.manual_seed(0)
+        model = GPT(layers=2, dim=128, heads=2, vocab=64).cuda().to(torch.bfloat16)
+        opt = torch.optim.AdamW(model.parameters(), fused=True)
+        run = torch.compile(model)
+        tokens = torch.randint(0, 64, (2, 256), device="cuda")
+        session = fadiag.attach(port=0)
+        print(session.tap_status)
+        for _ in range(2):
+            run(tokens).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        assert session.flush(30) and session.errors == 0
+        for r in session.history():
+            print(r.step, [(c.site, c.impl, c.forward_seconds > 0, c.backward_seconds > 0)
+                           for c in r.calls], r.unmeasured)
+    """)
+    done = subprocess.run([sys.executable, "-c", script], cwd=Path(__file__).resolve().parents[1],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = done.stdout.splitlines()
+    impl = next((i for i in ("flash", "cudnn", "efficient") if f"'{i}'" in lines[1]), None)
+    calls = [(f"compiled#{i}", impl, True, True) for i in range(2)]  # whichever fused one ran
+    assert impl and lines == ["installed", f"1 {calls} {{}}", f"2 {calls} {{}}"], done.stdout
+
+
 def test_ten_thousand_compiled_steps_keep_device_memory_rss_and_marks_flat():
     import psutil
 

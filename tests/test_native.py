@@ -354,20 +354,73 @@ def test_off_and_auto_never_build_for_cpu(monkeypatch, setting):
     assert resolved(s).step == 2 and s.errors == 0
 
 
-def test_the_tap_loads_the_extension_in_the_background_and_attach_does_not_wait(monkeypatch):
-    """`tap: auto` (the default) builds or loads the extension off the training thread and
-    installs the tap at the next step boundary, on the training thread."""
+@pytest.mark.parametrize("compiled_before", [False, True])
+def test_a_tap_still_building_at_attach_is_installed_at_a_step_boundary_and_says_from_which_step(
+        monkeypatch, caplog, compiled_before):
+    """`tap: auto` (the default) with no fresh build cached builds the extension off the training
+    thread and installs the tap at the next step boundary, on the training thread; the log names
+    the step it measures from, as a warning where torch.compile'd code ran before it (whose
+    attention went unseen)."""
     asked = []
     monkeypatch.setattr(native, "load", lambda kind: pytest.fail("attach() waited for a build"))
     monkeypatch.setattr(native, "load_in_background", lambda kind, ready: asked.append((kind, ready)))
-    s = attach(native="off", tap="auto")
-    assert s.tap_status == "loading" and asked and asked[0][0] == "cpu"
-    build = threading.Thread(target=asked[0][1], args=(native._modules["cpu"],))
-    build.start()  # as the build thread calls it when the build is done
-    build.join()
-    assert s.tap_status == "loading"  # not installed from that thread
-    train(GPT(layers=1), steps=2)
+    monkeypatch.setattr(native, "status", lambda kind: "not built")
+    monkeypatch.setattr(native, "fresh", lambda kind: False)
+    with caplog.at_level(logging.INFO, logger="fadiag"):
+        s = attach(native="off", tap="auto")
+        assert s.tap_status == "loading" and asked and asked[0][0] == "cpu"
+        assert "building the native extension for cpu in the background" in caplog.text
+        model = GPT(layers=1)
+        train(torch.compile(model, backend="eager") if compiled_before else model, steps=1)
+        build = threading.Thread(target=asked[0][1], args=(native._modules["cpu"],))
+        build.start()  # as the build thread calls it when the build is done
+        build.join()
+        assert s.tap_status == "loading"  # not installed from that thread
+        train(GPT(layers=1), steps=2)  # installed as step 2 closes: step 3 is its first
     assert s.tap_status == "installed" and s.recorder.tap is not None
+    said = [r for r in caplog.records if "dispatcher tap installed at step 3" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.WARNING if compiled_before else logging.INFO]
+    assert ("before it was not measured" in said[0].getMessage()) == compiled_before
+
+
+def test_auto_loads_a_fresh_cached_build_at_attach_and_installs_the_tap_there(monkeypatch):
+    """A build already cached (and not older than its sources) loads in ~0.1 s: `tap: auto` loads
+    it at attach(), so the first step's compiled attention is measured (a tap installed at the
+    first boundary would miss it, with nothing to tell that step from one without attention)."""
+    loaded = []
+    monkeypatch.setattr(native, "load_in_background",
+                        lambda kind, ready: pytest.fail("a fresh cached build went to the background"))
+    monkeypatch.setattr(native, "status", lambda kind: "not built")
+    monkeypatch.setattr(native, "fresh", lambda kind: True)
+    monkeypatch.setattr(native, "load", lambda kind: loaded.append(kind) or native._modules[kind])
+    s = attach(native="off", tap="auto")
+    assert loaded == ["cpu"] and s.tap_status == "installed" and s.recorder.tap is not None
+
+
+def test_a_cached_build_is_fresh_only_if_no_source_is_newer_and_no_build_is_under_way(
+        tmp_path, monkeypatch):
+    import os
+
+    sources, folder = tmp_path / "src", tmp_path / "build"
+    sources.mkdir()
+    folder.mkdir()
+    for name in ("marks.cpp", "pool.h"):
+        (sources / name).write_text("")
+    monkeypatch.setattr(native, "SOURCES", (sources / "marks.cpp",))
+    monkeypatch.setattr(native, "_build_dir", lambda kind: folder)
+    assert not native.fresh("cpu")  # nothing built
+    built = folder / "fadiag_marks_cpu.so"
+    built.write_text("")
+    now = time.time()
+    for p in sources.iterdir():
+        os.utime(p, (now - 100, now - 100))
+    os.utime(built, (now - 50, now - 50))
+    assert native.fresh("cpu")
+    os.utime(sources / "pool.h", (now, now))  # a header edited after the build: ninja rebuilds
+    assert not native.fresh("cpu")
+    os.utime(sources / "pool.h", (now - 100, now - 100))
+    (folder / "lock").write_text("")  # another process is building there
+    assert not native.fresh("cpu")
 
 
 def test_the_background_build_leaves_the_import_system_alone():

@@ -211,7 +211,11 @@ class Interceptors:
         from . import native
 
         kind = "cuda" if available("cuda") else "cpu"  # the tap's ops: CPU and CUDA kernels
-        if mode == "on":
+        # `auto` loads a fresh cached build here too (~0.1 s): installed at attach, the tap sees
+        # the first step's compiled attention, which a tap installed at the first boundary misses
+        # with nothing to tell it from a step without attention. Only a build goes to the
+        # background.
+        if mode == "on" or native.status(kind) == "not built" and native.fresh(kind):
             ext = native.load(kind)
             if ext is None:
                 self._tap_unavailable(native.status(kind))
@@ -225,11 +229,28 @@ class Interceptors:
             if threading.get_ident() == attaching:  # already loaded: install now
                 self._install_tap(ext)
             elif not self.closed:  # on the build thread: install on the training thread
-                self.recorder.pending = lambda: self._install_tap(ext)
+                self.recorder.pending = lambda: self._install_late(ext)
 
         native.load_in_background(kind, ready)
         if native.status(kind).startswith("unavailable"):
             self._tap_unavailable(native.status(kind))
+        elif self.tap_status == "loading":
+            log.info("fadiag: building the native extension for %s in the background (its first use "
+                     "with this torch and fadiag; a minute or more): attention in torch.compile'd "
+                     "code is measured from the first step boundary after it", kind)
+
+    def _install_late(self, ext: Any) -> None:
+        """The tap built in the background, installed at a step boundary: say from which step,
+        and warn where torch.compile'd code ran before it (its attention went unseen)."""
+        self._install_tap(ext)
+        if self.tap_status != "installed":
+            return
+        step = self.recorder.step_index
+        if eager.dynamo_frames() != self._frames_at_attach:
+            log.warning("fadiag: dispatcher tap installed at step %d; attention in torch.compile'd "
+                        "code before it was not measured (the native extension was building)", step)
+        else:
+            log.info("fadiag: dispatcher tap installed at step %d", step)
 
     def _install_tap(self, ext: Any) -> None:
         if self.closed or self.recorder.tap is not None:

@@ -139,6 +139,23 @@ def cached(kind: str) -> bool:
     return any(folder.glob(f"{module_name(kind)}*.so")) or any(folder.glob(f"{module_name(kind)}*.pyd"))
 
 
+def fresh(kind: str) -> bool:
+    """Whether `kind` loads from torch's extension cache with no build: a cached build newer than
+    every source it is built from (headers included), and no build under way in its folder. Only
+    then is loading it quick enough (~0.1 s) to do at attach(); a stale cache is rebuilt (a
+    minute or more)."""
+    folder = _build_dir(kind)
+    if folder is None or (folder / "lock").exists():
+        return False
+    try:
+        built = max((p.stat().st_mtime for ext in ("so", "pyd")
+                     for p in folder.glob(f"{module_name(kind)}*.{ext}")), default=None)
+        newest = max(p.stat().st_mtime for p in SOURCES[0].parent.iterdir() if p.is_file())
+    except OSError:
+        return False
+    return built is not None and built >= newest
+
+
 def _build_dir(kind: str) -> Path | None:
     """This build's cache folder: torch's (through a private helper of torch's; None if gone),
     one sub-folder per torch installation and fadiag checkout. torch keys its cache by the

@@ -321,9 +321,11 @@ class Config:
     tap: str = "auto"
     """The dispatcher tap (fadiag/capture/tap.py): measures the fused attention ops that no Python wrapper
     sees (torch.compile'd code), and times eager calls once their signature is learned (below
-    autograd; the wrapper names the site). auto: the native extension is built or loaded in the
-    background and the tap installed at the first step boundary after; on: built at attach(),
-    waiting for it; off: compiled attention is not measured and eager calls keep the wrapper's
+    autograd; the wrapper names the site). auto: a build already cached is loaded and the tap
+    installed at attach() (~0.1 s), so the first step's compiled attention is measured; a build
+    goes to the background (a minute or more, the first use with a torch and fadiag) and the tap
+    is installed at the first step boundary after, the log naming the step it measures from; on:
+    built at attach(), waiting for it; off: compiled attention is not measured and eager calls keep the wrapper's
     marks. Needs torch >= 2.9 and a C++ compiler."""
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
     interceptors: InterceptorsConfig = field(default_factory=InterceptorsConfig)

@@ -74,6 +74,9 @@ class Metrics(Sink):
         self.max_sites = max_sites
         self.build_info = build_info or {}
         self.run_info = run_info or {}
+        self.capture_info: dict[str, str] = {}
+        """What sees attention on this rank: `tap` (installed, loading, off, not loaded,
+        unavailable) and `eager_wrapper` (native, python); set by the session."""
         self._lock = threading.Lock()
         self._fwd: dict[tuple[str, ...], Histogram] = {}
         self._bwd: dict[tuple[str, ...], Histogram] = {}
@@ -316,6 +319,16 @@ class Metrics(Sink):
                               "world_size, hostname, device_name.", labels=list(self.run_info))
         g.add_metric(list(self.run_info.values()), 1.0)
         yield g
+        capture = self.capture_info  # replaced whole by the session, never changed in place
+        if capture:
+            g = GaugeMetricFamily(
+                "fadiag_capture_info",
+                "Always 1; the labels say what sees attention on this rank: tap (the dispatcher "
+                "tap, which measures torch.compile'd attention: installed, loading, off, not "
+                "loaded, unavailable) and eager_wrapper (native, python).",
+                labels=["rank", *capture])
+            g.add_metric([self.rank, *capture.values()], 1.0)
+            yield g
 
 
 def _gauge(name: str, doc: str, rank: str, value: float) -> GaugeMetricFamily:

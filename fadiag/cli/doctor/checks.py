@@ -80,7 +80,8 @@ def _native(devices: dict[str, Any], build: bool) -> dict[str, Any]:
     for kind in kinds:
         if build:
             native.load(kind)
-        out[kind] = {"cached": native.cached(kind), "status": native.status(kind)}
+        out[kind] = {"cached": native.cached(kind), "fresh": native.fresh(kind),
+                     "status": native.status(kind)}
     return out
 
 
@@ -95,8 +96,11 @@ def _tap(devices: dict[str, Any]) -> dict[str, Any]:
     status = native.status(kind)
     if why is None and status.startswith("unavailable"):
         why = f"the native extension for {kind}: {status.removeprefix('unavailable: ')}"
-    elif why is None and status == "not built" and not native.cached(kind):
-        why = "the native extension is not built yet (it is built at the first attach())"
+    elif why is None and status == "not built" and not native.fresh(kind):
+        built = "older than its sources" if native.cached(kind) else "not built yet"
+        why = (f"the native extension is {built}: the first attach() builds it in the background "
+               "and compiled attention is measured from the step after; `fadiag doctor "
+               "--build-native` builds it now")
     ops = sorted(f"{s['name']} [{', '.join(s['backends'])}]" for s in specs()) if supported() is None else []
     return {"kind": kind, "usable": why is None, "why_not": why, "ops": ops}
 
@@ -337,7 +341,9 @@ def format_text(report: dict[str, Any]) -> str:
                   f"ninja {tc['ninja'] or 'not found'})"]
     for kind, st in n.items():
         if kind != "toolchain":
-            lines.append(f"  {kind:<5} {'built' if st['cached'] else 'not built'}"
+            built = "built" if st["fresh"] else (
+                "built, older than its sources (rebuilt at the next use)" if st["cached"] else "not built")
+            lines.append(f"  {kind:<5} {built}"
                          + ("" if st["status"] == "not built" else f"; {st['status']}"))
     t = report["tap"]
     lines += ["", f"dispatcher tap (torch.compile'd attention) on {t['kind']}: "
