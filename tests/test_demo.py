@@ -21,6 +21,7 @@ import fadiag
 from fadiag.cli import main
 from fadiag.cli.demo.training import DemoConfig, SlowAttention, run_demo
 from fadiag.export.jsonl import read_run
+from tests.native_marks import NEEDS_TAP
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = {"seq_len": 128, "batch": 2, "dim": 64, "heads": 2, "layers": 2, "vocab": 128}
@@ -111,6 +112,26 @@ def test_plain_demo_runs_the_fused_cpu_kernel_within_the_memory_rule(tmp_path: P
     assert fadiag.current_session() is None
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu", marks=NEEDS_TAP)])
+def test_compiled_demo_measures_every_layer_through_the_tap_as_eager_does(
+        tmp_path: Path, device: str) -> None:
+    eager, compiled = tmp_path / "eager", tmp_path / "compiled"
+    for folder, compile in ((eager, False), (compiled, True)):
+        cfg = DemoConfig(steps=3, port=0, device=device, compile=compile, jsonl=str(folder),
+                         live=False, **SMALL)
+        assert run_demo(cfg, io.StringIO()) == 0
+    plain, run = (read_run(f / "fadiag-rank0.jsonl") for f in (eager, compiled))
+    assert [s.step for s in run.steps] == [1, 2, 3]
+    for s in run.steps:
+        assert [c.site for c in s.calls] == [f"compiled#{i}" for i in range(SMALL["layers"])]
+        assert {c.impl for c in s.calls} == {"cpu_flash"}
+        assert all(c.forward_seconds > 0 and c.backward_seconds > 0 for c in s.calls)
+        assert not s.unmeasured
+    # The same shapes, so the same memory figures as the eager demo's, from the first step on.
+    assert [(s.kept_bytes, s.standard_bytes) for s in run.steps] == \
+        [(s.kept_bytes, s.standard_bytes) for s in plain.steps]
+
+
 def test_force_math_raises_the_memory_savings_flag(tmp_path: Path) -> None:
     out = io.StringIO()
     cfg = DemoConfig(steps=3, port=0, force_math=True, jsonl=str(tmp_path), live=False, **SMALL)
@@ -147,6 +168,7 @@ def test_slow_backward_raises_the_ratio_flag_for_the_instrumented_function(
     (["--port", "70000"], "--port"),
     (["--device", "tpu"], "--device"),
     (["--force-math", "--slow-backward"], "--slow-backward"),
+    (["--compile", "--force-math"], "--force-math"),
 ])
 def test_bad_demo_arguments_exit_2_naming_the_argument(
         argv: list[str], named: str, capsys: pytest.CaptureFixture[str]) -> None:

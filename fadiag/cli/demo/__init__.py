@@ -29,6 +29,10 @@ def add_parser(subparsers: Any) -> None:
     fault.add_argument("--slow-backward", action="store_true",
                        help="use a hand-written attention whose backward does needless work: "
                             "the backward_forward_ratio flag fires")
+    fault.add_argument("--compile", action="store_true",
+                       help="train the healthy model under torch.compile (its first step compiles: "
+                            "seconds to a minute): attention measured by the dispatcher tap, sites "
+                            "compiled#0.., as in compiled training")
     p.add_argument("--seq-len", type=_args.integer(1), default=256, help="sequence length (default 256)")
     p.add_argument("--jsonl", metavar="DIR", type=_args.output_dir, default=None,
                    help="write the run log fadiag-rank0.jsonl into DIR, created if missing "
@@ -48,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         args._parser.error(f"the configuration named by FADIAG_CONFIG:\n{problems}")
     cfg = DemoConfig(steps=args.steps, port=args.port, device=args.device,
                      force_math=args.force_math, slow_backward=args.slow_backward,
-                     seq_len=args.seq_len, jsonl=None if args.jsonl is None else str(args.jsonl))
+                     compile=args.compile, seq_len=args.seq_len, jsonl=None if args.jsonl is None else str(args.jsonl))
     try:
         return run_demo(cfg)
     except FadiagError as e:  # e.g. the metrics port is taken and exporter.on_port_in_use: fail

@@ -55,6 +55,8 @@ class DemoConfig:
     heads: int = 4
     layers: int = 4
     vocab: int = 512
+    compile: bool = False
+    """Train the model under torch.compile: its attention is measured by the dispatcher tap."""
     jsonl: str | None = None
     """Directory for the run log; None: no log."""
     live: bool | None = None
@@ -68,8 +70,9 @@ class DemoConfig:
             raise ValueError(f"seq_len must be >= 1, got {self.seq_len}")
         if self.dim % self.heads:
             raise ValueError(f"dim ({self.dim}) must be a multiple of heads ({self.heads})")
-        if self.force_math and self.slow_backward:
-            raise ValueError("force_math and slow_backward are separate demonstrations; pick one")
+        if self.force_math + self.slow_backward + self.compile > 1:
+            raise ValueError("force_math, slow_backward and compile are separate demonstrations; "
+                             "pick one")
 
 
 def sdpa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -284,6 +287,9 @@ def run_demo(cfg: DemoConfig, out: TextIO | None = None) -> int:
         "sdpa forced to the math backend" if cfg.force_math else "sdpa")
     model = TinyGPT(cfg, attention).to(device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
+    if cfg.compile:
+        kind += ", torch.compile'd"
+        model = torch.compile(model)  # type: ignore[assignment]
     url = _metrics_line(session)
     out.write(f"fadiag demo: {cfg.layers}-layer GPT, dim {cfg.dim}, {cfg.heads} heads, "
               f"seq {cfg.seq_len}, batch {cfg.batch} on {cfg.device}; attention: {kind}\n"
