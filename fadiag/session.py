@@ -82,7 +82,7 @@ class Session:
             build_info={"version": __version__, "torch": torch.__version__, "device": device_type},
             run_info={"rank": str(self.rank), "run_id": self.run_id,
                       "world_size": str(self.world_size), "hostname": socket.gethostname(),
-                      "device_name": self.device_name})
+                      "device_name": self.device_name}, capture_info=lambda: self.capture.labels())
         sinks: list[Sink] = [self.metrics, LogSink(config.log.flag_interval_seconds)]
         if config.jsonl.path:
             try:
@@ -136,7 +136,6 @@ class Session:
                          cfg.exporter.addr, self.port)
         self.resolver.start()
         self._install()
-        self._capture_info()
         self.recorder.start()
 
     def _install(self) -> None:
@@ -207,16 +206,7 @@ class Session:
         self.sinks.emit(report)
         self.sinks.flags(flags)
 
-    def _capture_info(self) -> None:
-        """fadiag_capture_info's labels: the tap's state and the eager wrapper's kind, without
-        their reasons (those are in the log and `fadiag doctor`)."""
-        info = {"tap": self.capture.tap_status.partition(":")[0],
-                "eager_wrapper": self.capture.eager_wrapper.partition(" ")[0]}
-        if info != self.metrics.capture_info:
-            self.metrics.capture_info = info
-
     def _on_tick(self, oldest_inflight: float) -> None:
-        self._capture_info()
         self.metrics.oldest_inflight_seconds = oldest_inflight
         self.metrics.resolver_cpu_seconds = self.resolver.cpu_seconds
         rec = self.recorder
@@ -266,7 +256,6 @@ class Session:
         self.recorder.boundary("manual")
         done = self.resolver.flush(timeout)
         self.metrics.resolver_cpu_seconds = self.resolver.cpu_seconds
-        self._capture_info()
         return done
 
     def save_baseline(self, path: str | os.PathLike[str], skip: int = 10) -> None:

@@ -67,6 +67,12 @@ class Interceptors:
         self._forget_undo: Callable[[], None] | None = None
         self._frames_at_attach = eager.dynamo_frames()
 
+    def labels(self) -> dict[str, str]:
+        """fadiag_capture_info's labels: the tap's state and the eager wrapper's kind, without
+        their reasons (those are in the log and `fadiag doctor`)."""
+        return {"tap": self.tap_status.partition(":")[0],
+                "eager_wrapper": self.eager_wrapper.partition(" ")[0]}
+
     # ---- Python wrappers -------------------------------------------------------------------
 
     def install(self, instrumented: list[tuple[Any, str | None, str, int | None,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import bisect
 import threading
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from prometheus_client import CollectorRegistry
 from prometheus_client.core import (
@@ -68,15 +68,16 @@ class Metrics(Sink):
 
     def __init__(self, *, rank: int = 0, registry: CollectorRegistry | None = None,
                  per_site: bool = False, max_sites: int = 128,
-                 build_info: dict[str, str] | None = None, run_info: dict[str, str] | None = None):
+                 build_info: dict[str, str] | None = None, run_info: dict[str, str] | None = None,
+                 capture_info: Callable[[], dict[str, str]] | None = None):
         self.rank = str(rank)
         self.per_site = per_site
         self.max_sites = max_sites
         self.build_info = build_info or {}
         self.run_info = run_info or {}
-        self.capture_info: dict[str, str] = {}
-        """What sees attention on this rank: `tap` (installed, loading, off, not loaded,
-        unavailable) and `eager_wrapper` (native, python); set by the session."""
+        self.capture_info = capture_info
+        """What sees attention on this rank, read at each scrape: `tap` (installed, loading, off,
+        not loaded, unavailable) and `eager_wrapper` (native, python)."""
         self._lock = threading.Lock()
         self._fwd: dict[tuple[str, ...], Histogram] = {}
         self._bwd: dict[tuple[str, ...], Histogram] = {}
@@ -319,7 +320,7 @@ class Metrics(Sink):
                               "world_size, hostname, device_name.", labels=list(self.run_info))
         g.add_metric(list(self.run_info.values()), 1.0)
         yield g
-        capture = self.capture_info  # replaced whole by the session, never changed in place
+        capture = self.capture_info() if self.capture_info is not None else None
         if capture:
             g = GaugeMetricFamily(
                 "fadiag_capture_info",
