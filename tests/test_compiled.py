@@ -140,6 +140,78 @@ def test_compiled_losses_are_bit_identical_with_and_without_fadiag(plain, measur
     assert measured.losses == plain.losses
 
 
+class UntraceableAttention(torch.autograd.Function):
+    """Attention whose forward dynamo cannot trace, as one calling a C++ extension does: under
+    torch.compile each call runs eagerly, behind a graph break."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):  # type: ignore[no-untyped-def]
+        torch._dynamo.graph_break()
+        p = torch.softmax(q @ k.transpose(-2, -1) * q.shape[-1] ** -0.5, dim=-1)
+        ctx.save_for_backward(q, k, v, p)
+        return p @ v
+
+    @staticmethod
+    def backward(ctx, grad):  # type: ignore[no-untyped-def]
+        q, k, v, p = ctx.saved_tensors
+        dp = grad @ v.transpose(-2, -1)
+        ds = p * (dp - (dp * p).sum(-1, keepdim=True)) * q.shape[-1] ** -0.5
+        return ds @ k, ds.transpose(-2, -1) @ q, p.transpose(-2, -1) @ grad
+
+
+class UntraceableModel(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = torch.nn.Embedding(64, DIM)
+        self.qkv = torch.nn.ModuleList(torch.nn.Linear(DIM, 3 * DIM) for _ in range(LAYERS))
+        self.head = torch.nn.Linear(DIM, 64)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.emb(tokens)
+        b, t, c = x.shape
+        for qkv in self.qkv:
+            q, k, v = qkv(x).view(b, t, 3, HEADS, c // HEADS).permute(2, 0, 3, 1, 4)
+            x = x + UntraceableAttention.apply(q, k, v).transpose(1, 2).reshape(b, t, c)
+        return self.head(x)
+
+
+def _run_untraceable(attached: bool) -> Run:
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    torch.manual_seed(0)
+    model = UntraceableModel()
+    session = fadiag.attach(port=0) if attached else None
+    if session is not None:
+        fadiag.instrument(UntraceableAttention, name="untraceable")
+    try:
+        losses = train(torch.compile(model, backend="aot_eager"), 3, seq=SEQ, batch=BATCH)
+        counters = {k: dict(v) for k, v in torch._dynamo.utils.counters.items()
+                    if k in ("stats", "graph_break", "recompiles", "frames")}
+        if session is None:
+            return Run(losses, counters, [], None)
+        assert session.flush(10) and session.errors == 0
+        return Run(losses, counters, session.history(), _steps_total(session))
+    finally:
+        fadiag.detach()
+
+
+def test_an_instrumented_function_left_eager_by_a_graph_break_is_measured_and_compiles_the_same():
+    """A graph break inside an instrument()'d Function leaves each call to run eagerly, and
+    dynamo compiled fadiag's wrapper frame on its own, where its test for tracing reads True: every
+    call passed through unmeasured, and nothing said so. The wrapper's frames are never dynamo's
+    own now: the calls are measured, and dynamo compiles what it compiles without fadiag."""
+    plain, run = _run_untraceable(False), _run_untraceable(True)
+    assert plain.counters["graph_break"]  # the Function's own break, with and without fadiag
+    assert run.counters == plain.counters
+    assert run.losses == plain.losses
+    assert [r.step for r in run.history] == [1, 2, 3]
+    for r in run.history:
+        assert [c.impl for c in r.calls] == ["untraceable"] * LAYERS
+        assert [c.site.rpartition("#")[2] for c in r.calls] == [str(i) for i in range(LAYERS)]
+        assert all(c.forward_seconds > 0 and c.backward_seconds > 0 for c in r.calls)
+        assert not r.unmeasured
+
+
 @pytest.mark.parametrize("mode", ["non_reentrant"])
 def test_compiled_checkpointing_marks_recomputation_and_counts_each_call_once(mode):
     plain = _run(_model(mode), 3, attached=False)

@@ -16,7 +16,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable
-from types import ModuleType
+from types import CodeType, ModuleType
 from typing import Any
 
 import torch
@@ -34,6 +34,9 @@ _waiting: list[tuple[Any, Any]] = []
 _on_failure: list[Callable[[], None]] = []
 """What to undo if a registration fails (an unregistered builtin would break dynamo's graph)."""
 _failure: str | None = None
+_frames: set[CodeType] = set()
+"""Code of fadiag's that dynamo is told never to compile as a frame of its own (never_compiled)."""
+_frames_waiting: list[tuple[CodeType, bool]] = []
 
 
 def unavailable(ext: Any) -> str | None:
@@ -70,6 +73,42 @@ def builtin(ext: Any, original: Any) -> Any:
         _failure = _refused(e)
         raise
     return fn
+
+
+def never_compiled(code: CodeType, *, callees: bool) -> None:
+    """Dynamo never compiles a frame of `code` as its own, and with `callees` none of the frames it
+    calls either; it still inlines `code` into a graph it traces. Now where dynamo is imported,
+    else right after its import.
+
+    A wrapper's first test, whether dynamo is tracing, folds to True in what dynamo compiles. A
+    graph break inside the wrapped call (a Function calling a C++ extension dynamo cannot trace)
+    leaves the call to run eagerly, and dynamo then compiles the wrapper's frame as its own: that
+    frame would pass every call through unmeasured, with nothing said. Not compiled, it measures
+    the call, which runs eagerly either way; the wrapped call's own frames are compiled as without
+    fadiag. fadiag's bookkeeping (`callees`) is never compiled: dynamo would break graphs in it."""
+    with _lock:
+        if code in _frames:
+            return
+        _frames.add(code)
+        if _DYNAMO not in sys.modules:
+            _frames_waiting.append((code, callees))
+            _hook_dynamo_import()
+            return
+    _skip_frames([(code, callees)])
+
+
+def _skip_frames(codes: list[tuple[CodeType, bool]]) -> None:
+    from torch._dynamo import eval_frame
+
+    strategy = getattr(eval_frame, "set_code_exec_strategy", None)
+    if strategy is None:  # torch < 2.6: the frame alone
+        for code, _ in codes:
+            eval_frame.skip_code(code)
+        return
+    action = eval_frame.FrameAction
+    for code, callees in codes:
+        strategy(code, eval_frame.FrameExecStrategy(
+            action.SKIP, action.SKIP if callees else action.DEFAULT))
 
 
 def _refused(e: BaseException) -> str:
@@ -163,6 +202,13 @@ class _Loader(importlib.abc.Loader):
                 module.__spec__.loader = self.inner
             _unhook_dynamo_import()
         _register_waiting()
+        with _lock:
+            codes, _frames_waiting[:] = list(_frames_waiting), []
+        try:
+            _skip_frames(codes)
+        except Exception as e:  # dynamo's import goes on; a wrapper it compiles passes calls through
+            log.warning("fadiag: dynamo compiles fadiag's wrapper frames (%s: %s): a call that "
+                        "runs eagerly behind a graph break is not measured", type(e).__name__, e)
 
     def __getattr__(self, name: str) -> Any:  # get_source, is_package, …: the real loader's
         return getattr(self.inner, name)

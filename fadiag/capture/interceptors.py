@@ -124,6 +124,8 @@ class Interceptors:
             def apply(cls: Any, *args: Any, **kwargs: Any) -> Any:
                 return inner(cls, *args, **kwargs)
 
+            eager.never_compiled(apply.__code__, callees=False)  # as the wrapper (recorder.py)
+
             wrapped = self.recorder.wrap(apply, op)
             self._patcher.replace(fn, "apply", classmethod(wrapped))
             return fn

@@ -9,9 +9,11 @@ nothing here waits for the device.
 from __future__ import annotations
 
 import functools
+import logging
 import threading
 import time
 from collections.abc import Callable
+from types import CodeType
 from typing import Any
 
 import torch
@@ -20,6 +22,7 @@ from ..capture import backends
 from ..capture.attention_op import AttentionOp, CallInfo
 from ..capture.calls import Call, Signature, learn
 from ..capture.device import Devices
+from ..capture.eager import never_compiled
 from ..capture.graph import (
     SavedBytes,
     compiled_autograd_active,
@@ -29,6 +32,8 @@ from ..capture.graph import (
 )
 from ..capture.ops import mask_key, quick_sdpa
 from .boundary import ClosedStep, StepBoundaries
+
+log = logging.getLogger("fadiag")
 
 _CONFIG_EVERY_S = 1.0
 """How often, at most, a step boundary reads dynamo's compiled_autograd config flag: the read
@@ -59,6 +64,17 @@ if (hasattr(torch, "compiler") and hasattr(torch.compiler, "is_dynamo_compiling"
     # wrapper's is several times its cost in a tight loop (BENCHMARKS.md, runs 97-99).
     _is_compiling = torch.compiler.is_dynamo_compiling  # noqa: F811
     _compiler = torch.compiler
+
+
+def _never_compiled(wrapper: CodeType) -> None:
+    """The wrapper's frame is never compiled on its own, nor the bookkeeping it calls (eager.py,
+    never_compiled): a call left to run eagerly by a graph break is measured like any eager one."""
+    try:
+        never_compiled(wrapper, callees=False)
+        for method in (Recorder.begin, Recorder.probe_forward, Recorder.end):
+            never_compiled(method.__code__, callees=True)
+    except Exception as e:  # a torch without these hooks: such a call passes through unmeasured
+        log.debug("fadiag: wrapper frames left to dynamo (%s: %s)", type(e).__name__, e)
 
 
 class Recorder(StepBoundaries):
@@ -166,6 +182,7 @@ class Recorder(StepBoundaries):
                     tap.exit()
 
         fadiag_attention.__wrapped_by_fadiag__ = True  # type: ignore[attr-defined]
+        _never_compiled(fadiag_attention.__code__)
         return fadiag_attention
 
     # ---- per call --------------------------------------------------------------------------
