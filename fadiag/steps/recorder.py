@@ -182,7 +182,7 @@ class Recorder(StepBoundaries):
                     tap.exit()
 
         fadiag_attention.__wrapped_by_fadiag__ = True  # type: ignore[attr-defined]
-        _never_compiled(fadiag_attention.__code__)
+        _never_compiled(fadiag_attention.__code__)  # type: ignore[attr-defined]
         return fadiag_attention
 
     # ---- per call --------------------------------------------------------------------------
