@@ -9,7 +9,6 @@ nothing here waits for the device.
 from __future__ import annotations
 
 import functools
-import logging
 import threading
 import time
 from collections.abc import Callable
@@ -32,8 +31,6 @@ from ..capture.graph import (
 )
 from ..capture.ops import mask_key, quick_sdpa
 from .boundary import ClosedStep, StepBoundaries
-
-log = logging.getLogger("fadiag")
 
 _CONFIG_EVERY_S = 1.0
 """How often, at most, a step boundary reads dynamo's compiled_autograd config flag: the read
@@ -69,12 +66,9 @@ if (hasattr(torch, "compiler") and hasattr(torch.compiler, "is_dynamo_compiling"
 def _never_compiled(wrapper: CodeType) -> None:
     """The wrapper's frame is never compiled on its own, nor the bookkeeping it calls (eager.py,
     never_compiled): a call left to run eagerly by a graph break is measured like any eager one."""
-    try:
-        never_compiled(wrapper, callees=False)
-        for method in (Recorder.begin, Recorder.probe_forward, Recorder.end):
-            never_compiled(method.__code__, callees=True)
-    except Exception as e:  # a torch without these hooks: such a call passes through unmeasured
-        log.debug("fadiag: wrapper frames left to dynamo (%s: %s)", type(e).__name__, e)
+    never_compiled(wrapper, callees=False)
+    for method in (Recorder.begin, Recorder.probe_forward, Recorder.end):
+        never_compiled(method.__code__, callees=True)
 
 
 class Recorder(StepBoundaries):
