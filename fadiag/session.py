@@ -113,7 +113,7 @@ class Session:
             on_report=self._on_report, on_tick=self._on_tick, on_error=self._error,
             native_timers=lambda: self.devices.native_timers, tap=lambda: self.recorder.tap,
             unmeasured=self.recorder.resolved_unmeasured,
-            reports_per_second=config.sampling.reports_per_second, on_counted=self.metrics.count)
+            reports_per_second=config.sampling.reports_per_second, counter=self.metrics)
         self.capture = Interceptors(config, self.recorder, self._error)
         self._own_cost = OwnCost(config.sampling.every_n_steps,
                                  config.sampling.reports_per_second)

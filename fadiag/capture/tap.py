@@ -168,6 +168,7 @@ class Tap:
         self.timers = {"cpu": given.get("cpu") or NativeTimer("cpu", extension)}
         if cuda:
             self.timers["cuda"] = given.get("cuda") or NativeTimer("cuda", extension, torch.cuda)
+        self._extension = extension
         self._tap = extension.Tap(self.timers["cpu"].pool(),
                                   self.timers["cuda"].pool() if cuda else None, max_records)
         self.record_no_grad = record_no_grad
@@ -281,6 +282,16 @@ class Tap:
     def release(self, batch: Any) -> None:
         """Give back every mark of a cut that will not be resolved (its step dropped)."""
         self._tap.release(batch)
+
+    def tally(self, bounds: list[float], host_share: float) -> Any:
+        """A C++ tally of steady steps (fadiag/steps/steady.py) over histogram `bounds`."""
+        return self._extension.Tally(bounds, host_share)
+
+    def count(self, batch: Any, tally: Any, keys: list[int], recompute: list[bool],
+              give_up: bool) -> int:
+        """A steady step's cut counted in C++: 1, 0 (not yet) or -1 (Python's), as Tally.count;
+        -1 while linked records of earlier cuts wait for their calls (they are Python's)."""
+        return -1 if self._later else int(self._tap.count(batch, tally, keys, recompute, give_up))
 
     def discard(self, batch: Any, call_class: Any) -> None:
         """A cut in which nothing trained (evaluation, steps.record_no_grad off), on the training

@@ -46,6 +46,12 @@ class Histogram:
         self.counts[bisect.bisect_left(BUCKETS, v)] += 1
         self.sum += v
 
+    def add(self, counts: list[int], total: float) -> None:
+        """Another histogram's counts over the same BUCKETS, and its sum."""
+        for i, n in enumerate(counts):
+            self.counts[i] += n
+        self.sum += total
+
     def buckets(self) -> list[tuple[str, float]]:
         """Cumulative (le, count) pairs, as HistogramMetricFamily.add_metric takes them."""
         out, acc = [], 0
@@ -65,6 +71,9 @@ class Metrics(Sink):
         metrics.emit(report)
         registry.get_sample_value("fadiag_steps_total", {"rank": "0"})
     """
+
+    bounds = BUCKETS
+    """The histograms' bucket bounds (steps/steady.py's C++ tally sums over them too)."""
 
     def __init__(self, *, rank: int = 0, registry: CollectorRegistry | None = None,
                  per_site: bool = False, max_sites: int = 128,
@@ -111,6 +120,26 @@ class Metrics(Sink):
         histograms and counters as `emit` puts a report's, the step into fadiag_steps_total and
         fadiag_steps_unreported_total. The last-step gauges stay the last report's."""
         self._observe(calls, None)
+
+    def merge(self, steps: int, step_counts: list[int], step_sum: float,
+              keys: list[tuple[str, str, list[int], float, int, list[int], float, int]]) -> None:
+        """Steps counted in C++ (steps/steady.py), summed there as `count` sums rows: into the
+        histograms and counters, fadiag_steps_total and fadiag_steps_unreported_total."""
+        with self._lock:
+            for impl, site, fwd, fwd_sum, calls, bwd, bwd_sum, host_bound in keys:
+                labels: tuple[str, ...] = (impl,)
+                if self.per_site:
+                    labels += (self._site_label(site),)
+                if calls:
+                    self._fwd.setdefault(labels, Histogram()).add(fwd, fwd_sum)
+                    self._calls[impl] = self._calls.get(impl, 0) + calls
+                if host_bound:
+                    self._host_bound[impl] = self._host_bound.get(impl, 0) + host_bound
+                if any(bwd):
+                    self._bwd.setdefault(labels, Histogram()).add(bwd, bwd_sum)
+            self._step.add(step_counts, step_sum)
+            self._steps += steps
+            self._unreported += steps
 
     def _observe(self, calls: list[Row], report: StepReport | None) -> None:
         forward = backward = 0.0  # the step's attention seconds, summed as a report sums them

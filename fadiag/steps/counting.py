@@ -8,12 +8,28 @@ says how many such steps came before it (`StepReport.counted_before`).
 
 from __future__ import annotations
 
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Protocol
 
 from .records import windows_host_bound
 
 Row = tuple[str, str, float, float, bool, bool]
 """A counted call: impl, site, forward seconds, backward seconds, recompute, host-bound."""
+
+
+class Counter(Protocol):
+    """Where counted steps go (export/prometheus.py's Metrics)."""
+
+    @property
+    def bounds(self) -> Sequence[float]:
+        """The histograms' bucket bounds (what steps/steady.py's C++ tally sums into)."""
+
+    def count(self, calls: list[Row]) -> None:
+        """One counted step's calls."""
+
+    def merge(self, steps: int, step_counts: list[int], step_sum: float,
+              keys: list[tuple[str, str, list[int], float, int, list[int], float, int]]) -> None:
+        """Steps counted in C++ (steps/steady.py's `take`)."""
 
 
 class ReportRate:
@@ -33,6 +49,11 @@ class ReportRate:
         self.counted = 0
         """Steps counted since the last report."""
         self._next_at = 0.0
+
+    def due(self, closed: float) -> bool:
+        """Whether a step closed at `closed` is reported whatever it holds (1/rate has passed
+        since the last report, or no rate is set)."""
+        return self.per_second <= 0 or closed >= self._next_at
 
     def counted_only(self, closed: float, steady: bool) -> bool:
         """Whether a step closed at `closed` (monotonic s) is counted, not reported: a steady one

@@ -2,7 +2,8 @@
 
 It turns marks into seconds without a host sync (Python marks: `query()` first, `elapsed_time`
 after; native CUDA marks: the elapsed time alone, which answers not-ready until then), builds
-the StepReport, runs the rules, feeds the sinks, and keeps the hang signal current.
+the StepReport, runs the rules, feeds the sinks, and keeps the hang signal current. With a report
+rate, a steady step is only counted, in C++ where it can be (steps/steady.py).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ import psutil
 from ..capture.calls import Call
 from ..capture.timers import relax_capture_mode
 from .boundary import ClosedStep
-from .counting import ReportRate, Row, finite_seconds, rows
+from .counting import Counter, ReportRate, finite_seconds, rows
 from .records import CallRecord, StepReport
+from .steady import SteadySteps
 
 GRAPH_BACKWARD = "graph_capture_backward"
 """The reason for a call whose forward was measured and whose backward ran while a CUDA (NPU)
@@ -30,16 +32,14 @@ _POLL_S = 0.02
 """How often the thread looks again while flush() waits for marks the device has not passed."""
 _BATCH_S = 0.5
 """How often it looks otherwise: closed steps are resolved in batches, back to back while the
-caches their work shares are warm. On the launch-bound step a wake every 0.5 s took 139 µs of the
-resolver's CPU a step against 177 with a wake every 0.1 s (BENCHMARKS.md, run 86); a report
-reaches the sinks up to a second after its step."""
+caches their work shares are warm (139 µs of CPU a launch-bound step, against 177 with a wake
+every 0.1 s: BENCHMARKS.md, run 86); a report reaches the sinks up to a second after its step."""
 _DEFER_S = 0.5
 """With native marks a pass waits, at most this long, for a backward window."""
 _TICK_S = 0.5
 _BACKWARD_GRACE_S = 5.0
 _RSS_EVERY_S = 0.5
-"""CPU runs report the process RSS as the step's peak; reading it costs ~0.1 ms, so at most
-twice a second."""
+"""CPU runs report the process RSS as the step's peak (~0.1 ms a read): at most twice a second."""
 
 
 class Resolver:
@@ -53,8 +53,7 @@ class Resolver:
                  native_timers: Callable[[], list[Any]] = list,
                  tap: Callable[[], Any] = lambda: None,
                  unmeasured: dict[str, int] | None = None,
-                 reports_per_second: float = 0.0,
-                 on_counted: Callable[[list[Row]], None] | None = None):
+                 reports_per_second: float = 0.0, counter: Counter | None = None):
         self.rank = rank
         self.history: collections.deque[StepReport] = collections.deque(maxlen=history)
         self.oldest_inflight_seconds = 0.0
@@ -67,9 +66,10 @@ class Resolver:
         self._on_tick = on_tick
         self._on_error = on_error
         self._native_timers = native_timers
-        self.rate = ReportRate(reports_per_second if on_counted is not None else 0.0)
-        """sampling.reports_per_second: which steps are counted (`on_counted`), not reported."""
-        self._on_counted = on_counted
+        self.rate = ReportRate(reports_per_second if counter is not None else 0.0)
+        """sampling.reports_per_second: which steps are counted (`counter`), not reported."""
+        self._counter = counter
+        self._steady: SteadySteps | None = None  # steady steps counted in C++, for the tap now in
         self._tap = tap
         """The dispatcher tap now installed, or None (its uncut records, for the hang check)."""
         self.unmeasured = {} if unmeasured is None else unmeasured
@@ -171,6 +171,7 @@ class Resolver:
         while self._pending:
             head = self._pending[0]
             if isinstance(head, threading.Event):  # a flush() waiting for the steps before
+                self._merge()
                 self.cpu_seconds = time.thread_time()
                 head.set()
                 self._pending.popleft()
@@ -180,22 +181,19 @@ class Resolver:
             if not self._try_resolve(head):
                 break
             self._pending.popleft()
+        self._merge()
 
     def _await_window(self) -> bool:
         """With native marks, wait for a backward window before resolving a step; False when the
         wait gave up (or there is no window to wait for).
 
         While a hooked backward runs, the training thread is blocked in backward() with the GIL
-        released and the native hooks take none, so a step resolved then takes the least from
-        training: the autograd engine still takes the GIL to free tensors Python held, so on a
-        launch-bound step the resolver's Python costs about its own time wherever it runs
-        (benchmarks/gil_bursts.py; BENCHMARKS.md, runs 67-69). Steps are resolved one at a time,
-        each in an open window: one that ran past its window would hold the GIL the training
-        thread wants back (resolving whatever is pending at each wake instead read +11.1 % on the
-        launch-bound step against +9.0 % with the window, run 74). The wait holds no GIL; it
-        gives up after _DEFER_S without a window (evaluation, the end of training, a long step),
-        and the pass then resolves the rest of what is pending without waiting again; flush() and
-        stop() end it at once (wake_window).
+        released, so a step resolved then takes the least from training (the autograd engine
+        still takes the GIL to free tensors Python held: on a launch-bound step the resolver's
+        Python costs about its own time wherever it runs, BENCHMARKS.md runs 67-79). One step at
+        a time, each in an open window (all pending at each wake read +11.1 % against +9.0 %,
+        run 74). The wait holds no GIL; it gives up after _DEFER_S without a window, and the
+        pass then resolves the rest without waiting again; flush() and stop() end it at once.
         """
         t = self._window_timer()
         if t is None:
@@ -218,6 +216,15 @@ class Resolver:
 
     def _try_resolve(self, step: ClosedStep) -> bool:
         """Report `step` if the device has passed every mark it needs; False to look again."""
+        give_up = time.monotonic() - step.closed >= _BACKWARD_GRACE_S
+        steady = self._steady_for(step)
+        seen = None
+        if steady is not None:
+            if not (self.rate.due(step.closed) or self._newest(step)):
+                done = steady.count(step, give_up)
+                if done >= 0:  # 1: counted in C++ (True); 0: a mark the device has not passed
+                    return done == 1 and self.rate.counted_only(step.closed, steady=True)
+            seen = steady.before(step)
         tap = step.tap
         if tap is not None:
             try:
@@ -238,12 +245,13 @@ class Resolver:
             else:
                 calls.append(c)
                 learned = learned or c.probe
+        if steady is not None and not (untimed or learned or step.unmeasured):
+            steady.learn(seen, step.calls)
         if untimed:
             self._release(untimed)
         by_timer: dict[Any, list[Call]] = {}
         for c in calls:
             by_timer.setdefault(c.timer, []).append(c)
-        give_up = time.monotonic() - step.closed >= _BACKWARD_GRACE_S
         seconds: dict[Call, tuple[float, float, int, int]] = {}
         for t, group in by_timer.items():  # one group per device kind; native: one C++ call
             s = t.seconds([(c.fwd0, c.fwd1, c.bwd0, c.bwd1) for c in group], give_up)
@@ -262,27 +270,41 @@ class Resolver:
             self.unmeasured[GRAPH_BACKWARD] = self.unmeasured.get(GRAPH_BACKWARD, 0) + in_graph
         # The newest step handed over is always reported: every counted step is then followed by
         # a report that counts it (`counted_before`), and after a flush last_step() is the newest.
-        count = self._on_counted
-        if count is not None and self.rate.per_second > 0 and self.rate.counted_only(
+        counter = self._counter
+        if counter is not None and self.rate.per_second > 0 and self.rate.counted_only(
                 step.closed, steady=not (untimed or learned or step.unmeasured
                                          or self._newest(step))):
-            count(rows(kept))
+            counter.count(rows(kept))
         else:
             self._report(step, kept)
         return True
 
+    def _steady_for(self, step: ClosedStep) -> SteadySteps | None:
+        """The C++ counting of steady steps for `step`'s tap, where steps are counted at all."""
+        if self._counter is None or self.rate.per_second <= 0 or step.tap is None:
+            return None
+        if self._steady is None or self._steady.tap is not step.tap:
+            self._merge()
+            self._steady = SteadySteps(step.tap, self._counter.bounds)
+        return self._steady
+
+    def _merge(self) -> None:
+        """What the C++ tally counted since the last look, into the metrics."""
+        summed = self._steady.take() if self._steady is not None else None
+        if summed is not None and self._counter is not None:
+            self._counter.merge(*summed)
+
     def _newest(self, step: ClosedStep) -> bool:
-        """Whether `step` is the newest closed step handed over (none after it pending): the last
-        closed step pending, looked for from the end (flush markers are all that can follow it),
-        not every pending step scanned for each step resolved."""
+        """Whether `step` is the newest closed step handed over (none after it pending), looked
+        for from the end (flush markers are all that can follow it)."""
         if not self._queue.empty():
             return False
         last = next((s for s in reversed(self._pending) if isinstance(s, ClosedStep)), None)
         return last is None or last is step
 
     def _release(self, calls: list[Call]) -> None:
-        """Give back the marks of calls that will not be timed (a native slot is never reclaimed
-        otherwise); a hook that fires later takes a fresh mark, which this call then never uses."""
+        """Give back the marks of calls that will not be timed (a hook that fires later takes a
+        fresh mark, which the call never uses)."""
         for c in calls:
             try:
                 c.timer.release(c.fwd0, c.fwd1, c.bwd0, c.bwd1)
@@ -329,6 +351,7 @@ class Resolver:
             standard_bytes=standard, peak_bytes=peak, step_peak_bytes=self._step_peak(step),
             calls=records, rank=self.rank, wall_time=step.wall_time, recompute_seconds=recompute,
             unmeasured=step.unmeasured, cpu_wait=step.cpu_wait, counted_before=self.rate.reported())
+        self._merge()  # the steps it counts before it are in the metrics first
         self._on_report(report)
         self.history.append(report)
 

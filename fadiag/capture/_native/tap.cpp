@@ -38,6 +38,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <limits>
 #include <map>
 #include <optional>
@@ -180,10 +181,12 @@ class TapState {
     return records;
   }
 
+  Pool* pool_of(const Record& r) const { return r.cuda ? cuda_.get() : cpu_.get(); }
+
   // Every mark of `records` given back, and the records dropped: a cut that will not be resolved.
   void release(std::vector<Record>& records) {
     for (const Record& r : records) {
-      Pool* pool = r.cuda ? cuda_.get() : cpu_.get();
+      Pool* pool = pool_of(r);
       if (pool == nullptr) continue;
       for (int64_t slot : {r.f0, r.f1, r.b0, r.b1}) {
         if (slot >= 0) pool->give_back(slot);
@@ -586,6 +589,148 @@ struct Batch {
   std::vector<Record> records;
 };
 
+// A batch's shape: everything that decides which call each record becomes and under which key it
+// is counted (op, pass, recomputation, linked or not, backward taken, device), hashed (FNV-1a).
+// Two batches of one shape turn into the same calls in the same order (Tap._compiled in
+// fadiag/capture/tap.py names compiled records by their pass and order).
+uint64_t shape_of(const Batch& b) {
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](int64_t v) {
+    h ^= static_cast<uint64_t>(v);
+    h *= 1099511628211ull;
+  };
+  mix(static_cast<int64_t>(b.records.size()));
+  for (const Record& r : b.records) {
+    mix(r.op);
+    mix(r.phase);
+    mix((r.recompute ? 1 : 0) | (r.link != 0 ? 2 : 0) | (r.b0 >= 0 ? 4 : 0) |
+        (r.graph_backward ? 8 : 0) | (r.cuda ? 16 : 0));
+    mix(r.device_index);
+  }
+  return h;
+}
+
+// Steady steps counted with no Python per call (sampling.reports_per_second; the resolver's side
+// is fadiag/steps/steady.py). A step shaped like one Python resolved has its records' seconds read
+// and summed here as Metrics.count sums a counted step's rows (fadiag/export/prometheus.py): per
+// key (impl, site), a forward histogram and the calls (recomputations not), a backward histogram
+// (backwards that ran), the host-bound calls; per step, its attention seconds. `take` hands the
+// sums to Python and starts again.
+class Tally {
+ public:
+  Tally(std::vector<double> bounds, double host_share)
+      : bounds_(std::move(bounds)), share_(host_share), step_(bounds_.size() + 1) {}
+
+  // 1: counted, and every mark of the batch given back; 0: a mark the device has not passed yet
+  // (nothing changed); -1: not a steady step after all (a failed mark, a backward refused in a
+  // graph capture): nothing changed, Python resolves it. `keys`, `recompute`: per record, its
+  // key's index and whether its call is a recomputation. The marks are read without the GIL.
+  int count(TapState& state, Batch& batch, const std::vector<int64_t>& keys,
+            const std::vector<bool>& recompute, bool give_up_open_backward) {
+    const std::vector<Record>& rs = batch.records;
+    if (rs.empty() || keys.size() != rs.size() || recompute.size() != rs.size()) return -1;
+    std::vector<double> s(4 * rs.size(), 0.0);  // as Marks.seconds: f, b, f host ns, b host ns
+    {
+      py::gil_scoped_release no_gil;
+      for (size_t i = 0; i < rs.size(); ++i) {
+        const Record& r = rs[i];
+        Pool* pool = state.pool_of(r);
+        if (pool == nullptr || !pool->recorded(r.f0) || !pool->recorded(r.f1)) return -1;
+        const std::optional<double> f = pool->elapsed_if_done(r.f0, r.f1);
+        if (!f) return 0;
+        s[4 * i] = *f;
+        s[4 * i + 2] = static_cast<double>(pool->held_host_ns(r.f0, r.f1));
+        if (pool->in_capture(r.b0) || pool->in_capture(r.b1)) return -1;
+        if (r.b0 < 0 || !pool->recorded(r.b0)) continue;
+        if (r.b1 < 0 || !pool->recorded(r.b1)) {
+          if (!give_up_open_backward) return 0;
+          continue;
+        }
+        const std::optional<double> b = pool->elapsed_if_done(r.b0, r.b1);
+        if (!b) return 0;
+        s[4 * i + 1] = *b;
+        s[4 * i + 3] = static_cast<double>(pool->held_host_ns(r.b0, r.b1));
+      }
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      double forward = 0.0, backward = 0.0;
+      for (size_t i = 0; i < rs.size(); ++i) {
+        const double f = finite(s[4 * i]), b = finite(s[4 * i + 1]);
+        Key& k = key(keys[i]);
+        k.touched = true;
+        if (!recompute[i]) {
+          observe(k.fwd, f);
+          k.calls += 1;
+          forward += f;
+        }
+        if (s[4 * i + 2] * 1e-9 > share_ * f || s[4 * i + 3] * 1e-9 > share_ * b) k.host_bound += 1;
+        if (b > 0.0) observe(k.bwd, b);
+        backward += b;
+      }
+      observe(step_, forward + backward);
+      steps_ += 1;
+    }
+    state.release(batch.records);
+    return 1;
+  }
+
+  // What was counted since the last take, or None: (steps, the step histogram's counts, its sum,
+  // [(key, forward counts, forward sum, calls, backward counts, backward sum, host-bound calls)]).
+  py::object take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (steps_ == 0) return py::none();
+    py::list keys;
+    for (size_t i = 0; i < keys_.size(); ++i) {
+      Key& k = keys_[i];
+      if (!k.touched) continue;
+      keys.append(py::make_tuple(static_cast<int64_t>(i), k.fwd.counts, k.fwd.sum, k.calls,
+                                 k.bwd.counts, k.bwd.sum, k.host_bound));
+      k = Key(bounds_.size() + 1);
+    }
+    py::tuple out = py::make_tuple(steps_, step_.counts, step_.sum, keys);
+    steps_ = 0;
+    step_ = Hist(bounds_.size() + 1);
+    return out;
+  }
+
+ private:
+  struct Hist {
+    explicit Hist(size_t n) : counts(n, 0) {}
+    std::vector<int64_t> counts;
+    double sum = 0.0;
+  };
+  struct Key {
+    explicit Key(size_t n) : fwd(n), bwd(n) {}
+    Hist fwd, bwd;
+    int64_t calls = 0, host_bound = 0;
+    bool touched = false;
+  };
+
+  // Timings that are not a finite non-negative number count as 0 (steps/counting.py).
+  static double finite(double x) { return std::isfinite(x) && x >= 0.0 ? x : 0.0; }
+
+  // As bisect.bisect_left over the bounds: the first bucket whose bound is >= v.
+  void observe(Hist& h, double v) {
+    h.counts[static_cast<size_t>(std::lower_bound(bounds_.begin(), bounds_.end(), v) -
+                                 bounds_.begin())] += 1;
+    h.sum += v;
+  }
+
+  Key& key(int64_t i) {
+    const auto at = static_cast<size_t>(std::max<int64_t>(i, 0));
+    while (keys_.size() <= at) keys_.emplace_back(bounds_.size() + 1);
+    return keys_[at];
+  }
+
+  std::vector<double> bounds_;
+  double share_;
+  std::mutex mu_;
+  std::vector<Key> keys_;
+  Hist step_;
+  int64_t steps_ = 0;
+};
+
 // aten's ops, typed: the call stays unboxed from the caller through the tap to the backend.
 // Each kernel's C++ signature is the op's own in this torch's headers (at::_ops::<op>::schema),
 // so the registration matches whatever schema this torch version gives the op.
@@ -752,6 +897,10 @@ class Tap {
   void set_measuring(bool on) { state_->set_measuring(on); }
   Batch cut() { return Batch{state_->cut()}; }
   void release(Batch& batch) { state_->release(batch.records); }
+  int count(Batch& batch, Tally& tally, const std::vector<int64_t>& keys,
+            const std::vector<bool>& recompute, bool give_up_open_backward) {
+    return tally.count(*state_, batch, keys, recompute, give_up_open_backward);
+  }
   py::dict counts() const { return state_->counts(); }
   int64_t counted() const { return state_->counted(); }
   int64_t oldest_open_ns() { return state_->oldest_open_ns(); }
@@ -804,7 +953,25 @@ void bind_tap(py::module_& m) {
              return false;
            })
       .def("rows", [](const Batch& b) { return TapState::rows(b.records); })
-      .def("links", [](const Batch& b) { return TapState::links(b.records); });
+      .def("links", [](const Batch& b) { return TapState::links(b.records); })
+      .def("shape", [](const Batch& b) { return static_cast<int64_t>(shape_of(b)); })
+      // Each record's forward start mark, in order (to join records to the calls they became).
+      .def("firsts",
+           [](const Batch& b) {
+             std::vector<int64_t> out;
+             for (const Record& r : b.records) out.push_back(r.f0);
+             return out;
+           })
+      .def("link_numbers", [](const Batch& b) {
+        std::vector<int64_t> out;
+        for (const Record& r : b.records) {
+          if (r.link != 0) out.push_back(r.link);
+        }
+        return out;
+      });
+  py::class_<Tally>(m, "Tally")
+      .def(py::init<std::vector<double>, double>(), py::arg("bounds"), py::arg("host_share"))
+      .def("take", &Tally::take);
   py::class_<Tap>(m, "Tap")
       .def(py::init<std::shared_ptr<Pool>, std::shared_ptr<Pool>, int64_t>(), py::arg("cpu"),
            py::arg("cuda"), py::arg("max_records"))
@@ -814,6 +981,7 @@ void bind_tap(py::module_& m) {
       .def("set_measuring", &Tap::set_measuring)
       .def("cut", &Tap::cut)
       .def("release", &Tap::release)
+      .def("count", &Tap::count)
       .def("counts", &Tap::counts)
       .def("counted", &Tap::counted)
       .def("oldest_open_ns", &Tap::oldest_open_ns)

@@ -1,0 +1,119 @@
+"""Steady steps counted in C++, with no Python per call (sampling.reports_per_second).
+
+With a report rate set, most steps of a launch-bound job are counted, not reported
+(steps/counting.py). Resolving such a step in Python (its records joined to calls, the marks
+read, rows summed into the metrics) costs the training step about its own CPU time wherever it
+runs, since the training thread and the autograd engine's want the GIL back all the time
+(benchmarks/BENCHMARKS.md, runs 67-79). So the resolver learns the shape of each step it resolves
+in Python, and a later step of the same shape, whose calls are the same (impl, site,
+recomputation), is counted by the dispatcher tap's C++ (`Tally` in capture/_native/tap.cpp): the
+marks read without the GIL, the seconds summed per key as `Metrics.count` sums rows, the marks
+given back. The sums reach the metrics at the end of each pass, before each report and before a
+flush() is answered (`take`).
+
+Example::
+
+    steady = SteadySteps(tap, bounds=BUCKETS)
+    seen = steady.before(step)            # before the step's records are joined to calls
+    ...                                   # resolved in Python
+    steady.learn(seen, step.calls)        # a steady step: later ones like it are counted in C++
+    steady.count(step, give_up=False)     # 1 counted, 0 not yet, -1 Python's to resolve
+    metrics.merge(*steady.take())
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from ..capture.calls import Call
+from .boundary import ClosedStep
+from .records import HOST_BOUND_SHARE
+
+Summed = tuple[int, list[int], float,
+               list[tuple[str, str, list[int], float, int, list[int], float, int]]]
+"""What `take` hands over: steps, the step histogram's counts and sum, and per key (impl, site):
+forward counts, forward sum, calls, backward counts, backward sum, host-bound calls."""
+
+
+class SteadySteps:
+    """The shape of the last steady step resolved in Python, and the C++ tally of steps like it."""
+
+    def __init__(self, tap: Any, bounds: Sequence[float]):
+        self.tap = tap
+        self._tally = tap.tally(list(bounds), HOST_BOUND_SHARE)
+        self._keys: dict[tuple[str, str], int] = {}
+        self._names: list[tuple[str, str]] = []
+        self._shape: int | None = None
+        self._record_keys: list[int] = []
+        self._recompute: list[bool] = []
+        self._linked: list[tuple[str, str, bool]] = []
+        """The step's linked calls (the eager wrapper's), in order: impl, site, recomputation."""
+        self.counted = 0
+        """Steps counted here (cumulative)."""
+
+    def before(self, step: ClosedStep) -> tuple[int, list[int], list[int]] | None:
+        """What learning `step`'s shape needs from its cut, read before its records are joined to
+        calls (ClosedStep.take_tap consumes the cut)."""
+        batch = step.tap_batch
+        if batch is None or step.tap is not self.tap:
+            return None
+        return batch.shape(), batch.firsts(), batch.link_numbers()
+
+    def learn(self, seen: tuple[int, list[int], list[int]] | None, calls: list[Call]) -> None:
+        """`calls`, a steady step's calls joined to its records (`seen`: `before`'s): every record
+        one call, its key learned. Anything else forgets the shape."""
+        self._shape = None
+        if seen is None:
+            return
+        shape, firsts, links = seen
+        by_first = {c.fwd0: c for c in calls}
+        linked = [c for c in calls if c.link]
+        if (len(firsts) != len(calls) or len(by_first) != len(calls)
+                or [c.link for c in linked] != links):
+            return
+        ordered = [by_first.get(f) for f in firsts]
+        if any(c is None or c.sig is None for c in ordered):
+            return
+        self._record_keys = [self._key(c.sig.impl, c.site) for c in ordered]  # type: ignore[union-attr]
+        self._recompute = [bool(c.recompute) for c in ordered]  # type: ignore[union-attr]
+        self._linked = [(c.sig.impl, c.site, bool(c.recompute)) for c in linked]  # type: ignore[union-attr]
+        self._shape = shape
+
+    def count(self, step: ClosedStep, give_up: bool) -> int:
+        """Count `step` in C++ if it is shaped as the learned one and its calls are the same:
+        1 counted (its cut consumed), 0 a mark the device has not passed, -1 Python's to resolve
+        (nothing changed)."""
+        batch = step.tap_batch
+        if self._shape is None or batch is None or step.tap is not self.tap or step.unmeasured:
+            return -1
+        calls = step.calls
+        if len(calls) != len(self._linked):
+            return -1
+        for c, (impl, site, recompute) in zip(calls, self._linked, strict=True):
+            sig = c.sig
+            if (sig is None or not c.link or c.aborted or c.probe or sig.impl != impl
+                    or c.site != site or bool(c.recompute) != recompute):
+                return -1
+        if batch.shape() != self._shape or batch.link_numbers() != [c.link for c in calls]:
+            return -1
+        done = self.tap.count(batch, self._tally, self._record_keys, self._recompute, give_up)
+        if done == 1:
+            step.tap = step.tap_batch = None
+            self.counted += 1
+        return done
+
+    def take(self) -> Summed | None:
+        """What was counted since the last take, keys named, or None."""
+        summed = self._tally.take()
+        if summed is None:
+            return None
+        steps, step_counts, step_sum, keys = summed
+        return steps, step_counts, step_sum, [(*self._names[k], *rest) for k, *rest in keys]
+
+    def _key(self, impl: str, site: str) -> int:
+        key = self._keys.get((impl, site))
+        if key is None:
+            key = self._keys[(impl, site)] = len(self._names)
+            self._names.append((impl, site))
+        return key

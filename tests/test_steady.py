@@ -1,0 +1,134 @@
+"""Steady steps counted in C++ (fadiag/steps/steady.py): the same sums Python's rows make.
+
+With sampling.reports_per_second set, a step shaped like the last one Python resolved, whose calls
+are the same calls, is counted by the dispatcher tap's C++ with no Python per call. What it adds
+to the metrics must be exactly what Python's path adds for the same marks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from prometheus_client import CollectorRegistry
+
+import fadiag
+from fadiag.export.prometheus import Metrics
+from fadiag.steps import steady as steady_module
+from fadiag.steps.counting import finite_seconds
+from fadiag.steps.records import windows_host_bound
+from tests.models import GPT, train
+from tests.native_marks import NEEDS_TAP
+
+pytestmark = NEEDS_TAP
+
+RATE = {"exporter.enabled": False, "sampling.reports_per_second": 1e-6, "tap": "on"}
+
+
+def _samples(metrics: Metrics) -> dict:
+    registry = CollectorRegistry()
+    registry.register(metrics)
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for family in registry.collect() for s in family.samples}
+
+
+def _expected_rows(steady, batch) -> list:
+    """The rows Python's path makes of `batch`'s records (read before C++ gives the marks back):
+    the marks read by the timer's own `seconds`, named by the learned keys."""
+    linked, compiled = batch.links(), batch.rows()
+    assert not (linked and compiled)  # one kind a step in these models: records stay in order
+    quads = [(r[1], r[2], r[3], r[4]) for r in linked or compiled]
+    timer = steady.tap.timers["cpu"]
+    rows = []
+    for i, (f, b, fi, bi) in enumerate(timer.seconds(quads, False)):
+        f, b = finite_seconds(f), finite_seconds(b)
+        impl, site = steady._names[steady._record_keys[i]]
+        rows.append((impl, site, f, b, steady._recompute[i],
+                     windows_host_bound(f, b, fi * 1e-9, bi * 1e-9)))
+    return rows
+
+
+@pytest.mark.parametrize("compiled,checkpointing", [(False, None), (True, None),
+                                                   (True, "non_reentrant")],
+                         ids=["eager", "compiled", "compiled_checkpointed"])
+@pytest.mark.parametrize("per_site", [False, True], ids=["per_impl", "per_site"])
+def test_a_steady_step_counted_in_cpp_adds_exactly_what_pythons_rows_add(
+        monkeypatch, compiled, checkpointing, per_site):
+    by_python, by_cpp = Metrics(per_site=per_site), Metrics(per_site=per_site)
+    original = steady_module.SteadySteps.count
+    counted, recomputed = [], []
+
+    def count(self, step, give_up):
+        batch = step.tap_batch
+        expected = _expected_rows(self, batch) if self._shape is not None and batch else None
+        done = original(self, step, give_up)
+        if done == 1:
+            assert expected is not None
+            by_python.count(expected)
+            by_cpp.merge(*self.take())  # this step's sums alone
+            counted.append(step.index)
+            recomputed.append(any(self._recompute))
+        return done
+
+    monkeypatch.setattr(steady_module.SteadySteps, "count", count)
+    torch._dynamo.reset()
+    session = fadiag.attach(**RATE)
+    try:
+        torch.manual_seed(0)
+        model = GPT(layers=2, dim=32, heads=2, checkpointing=checkpointing)
+        train(torch.compile(model) if compiled else model, steps=12, seq=32)
+        assert session.flush(30)
+    finally:
+        fadiag.detach()
+    assert len(counted) >= 6  # the learning step, the one learned from and the newest are not
+    a, b = _samples(by_python), _samples(by_cpp)
+    assert a == b  # every histogram bucket, sum and counter, to the last bit
+    calls = ("fadiag_attention_calls_total", (("impl", "cpu_flash"), ("rank", "0")))
+    assert b[calls] == 2 * len(counted)
+    if checkpointing:  # each layer's forward recomputed in the backward: timed, not a call
+        assert all(recomputed)
+
+
+def test_every_step_is_in_the_metrics_whichever_path_counted_it(monkeypatch):
+    # Steps of a second shape (a longer sequence: new signatures, learned and reported) between
+    # steady ones: each is counted once, by C++ or by Python, and the shape is learned again.
+    by_python = []
+    count = Metrics.count
+    monkeypatch.setattr(Metrics, "count", lambda self, rows: (by_python.append(rows),
+                                                              count(self, rows)))
+    session = fadiag.attach(**RATE)
+    try:
+        torch.manual_seed(0)
+        model = GPT(layers=2, dim=32, heads=2)
+        train(model, steps=8, seq=32)
+        train(model, steps=8, seq=48)
+        train(model, steps=8, seq=32)
+        assert session.flush(30)
+        steady = session.resolver._steady
+        samples = _samples(session.metrics)
+        reported = session.history()
+    finally:
+        fadiag.detach()
+    rank = (("rank", "0"),)
+    impl = (("impl", "cpu_flash"), ("rank", "0"))
+    assert samples[("fadiag_steps_total", rank)] == 24
+    assert samples[("fadiag_steps_unreported_total", rank)] == 24 - len(reported)
+    assert samples[("fadiag_attention_calls_total", impl)] == 48
+    assert samples[("fadiag_attention_backward_seconds_count", impl)] == 48
+    assert samples[("fadiag_step_attention_seconds_count", rank)] == 24
+    assert sum(1 + r.counted_before for r in reported) == 24
+    # Python counts the first steady step of each shape (the one the shape is learned from),
+    # C++ every later one: no step twice, none left out.
+    assert steady is not None and len(by_python) <= 3
+    assert len(by_python) + steady.counted == 24 - len(reported)
+    assert session.devices.timer("cpu").marks_in_use() == 0
+
+
+def test_no_rate_reports_every_step_and_counts_none_in_cpp():
+    session = fadiag.attach(**{**RATE, "sampling.reports_per_second": 0})
+    try:
+        train(GPT(layers=2, dim=32, heads=2), steps=6, seq=32)
+        assert session.flush(30)
+        assert [r.step for r in session.history()] == [1, 2, 3, 4, 5, 6]
+        assert session.resolver._steady is None
+    finally:
+        fadiag.detach()
