@@ -134,9 +134,7 @@ def toolchain() -> dict[str, str | None]:
 def cached(kind: str) -> bool:
     """Whether a build for `kind` is already in torch's extension cache (loading is then fast)."""
     folder = _build_dir(kind)
-    if folder is None:
-        return False
-    return any(folder.glob(f"{module_name(kind)}*.so")) or any(folder.glob(f"{module_name(kind)}*.pyd"))
+    return folder is not None and any(_builds(folder, kind))
 
 
 def fresh(kind: str) -> bool:
@@ -148,12 +146,16 @@ def fresh(kind: str) -> bool:
     if folder is None or (folder / "lock").exists():
         return False
     try:
-        built = max((p.stat().st_mtime for ext in ("so", "pyd")
-                     for p in folder.glob(f"{module_name(kind)}*.{ext}")), default=None)
+        built = max((p.stat().st_mtime for p in _builds(folder, kind)), default=None)
         newest = max(p.stat().st_mtime for p in SOURCES[0].parent.iterdir() if p.is_file())
     except OSError:
         return False
     return built is not None and built >= newest
+
+
+def _builds(folder: Path, kind: str) -> list[Path]:
+    """The built extension files for `kind` in its cache folder (.so, or .pyd on Windows)."""
+    return [p for ext in ("so", "pyd") for p in folder.glob(f"{module_name(kind)}*.{ext}")]
 
 
 def _build_dir(kind: str) -> Path | None:
