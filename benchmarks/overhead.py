@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -353,17 +354,48 @@ def _steal_s() -> float:
         return float("nan")
 
 
+class FullCollections:
+    """Python's collections of the oldest generation (a full heap walk, tens of ms with torch's
+    heap), and their seconds, since `start()`: a stall on the host that a GPU-bound block feels
+    only where it drains the device's queue, so a block that holds one reads slow."""
+
+    def __init__(self) -> None:
+        self.count, self.seconds, self._t0 = 0, 0.0, 0.0
+        gc.callbacks.append(self)
+
+    def start(self) -> None:
+        self.count, self.seconds = 0, 0.0
+
+    def __call__(self, phase: str, info: dict) -> None:
+        if info.get("generation") != 2:
+            return
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.count += 1
+            self.seconds += time.perf_counter() - self._t0
+
+
+FULL = FullCollections()
+
+
 def block_time(step, n: int, warm: int = 1, settle=_nothing,
                extra: dict[str, list[float]] | None = None) -> float:
     """Wall seconds a step over `n` steps; `extra` gathers the block's process CPU seconds a step
-    ("cpu") and the machine's stolen seconds a wall second ("steal")."""
+    ("cpu"), the machine's stolen seconds a wall second ("steal") and Python's full collections
+    inside the block ("full_gc", their seconds "full_gc_s")."""
     # Untimed: what a variant does once per attach (server start, learning each call signature on
     # the first measured step) stays out; a production session attaches once.
     for _ in range(warm):
         step()
     settle()
+    # A full collection now, untimed, in every block alike: the one that a variant's attach, made
+    # for each of its blocks, brings on sooner would otherwise fall inside the block. Those the
+    # steps bring on stay inside it, counted (FULL).
+    gc.collect()
     torch.cuda.synchronize()
     c0, s0 = time.process_time(), _steal_s()
+    FULL.start()
     t0 = time.perf_counter()
     for _ in range(n):
         step()
@@ -375,6 +407,8 @@ def block_time(step, n: int, warm: int = 1, settle=_nothing,
     if extra is not None:
         extra.setdefault("cpu", []).append((time.process_time() - c0) / n)
         extra.setdefault("steal", []).append((_steal_s() - s0) / wall)
+        extra.setdefault("full_gc", []).append(FULL.count)
+        extra.setdefault("full_gc_s", []).append(FULL.seconds)
     return wall / n
 
 
@@ -436,6 +470,9 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int,
             "cpu_overhead_median": statistics.median(cpu), "cpu_median_ci95": list(median_ci95(cpu)),
             "plain_cpu_ms": statistics.median(plain_x["cpu"]) * 1e3,
             "steal_share_median": statistics.median(steal), "steal_share_max": max(steal),
+            # Blocks that held a full collection of Python's heap, and its seconds in all.
+            "full_gc_blocks": [sum(1 for c in x["full_gc"] if c) for x in (plain_x, var_x)],
+            "full_gc_seconds": [sum(x["full_gc_s"]) for x in (plain_x, var_x)],
         }
         if v in MARKS_SEEN:
             row["marks"] = sorted(MARKS_SEEN.pop(v))
@@ -445,7 +482,9 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int,
               f"IQR {q[0] * 100:+.2f} .. {q[2] * 100:+.2f}); plain {row['plain_ms']:.2f} ms; "
               f"process CPU {row['cpu_overhead_median'] * 100:+.2f} % ({cpu_lo * 100:+.2f} .. "
               f"{cpu_hi * 100:+.2f}); steal {row['steal_share_median']:.1%} "
-              f"(max {row['steal_share_max']:.1%})"
+              f"(max {row['steal_share_max']:.1%}); blocks with a full collection: plain "
+              f"{row['full_gc_blocks'][0]}, variant {row['full_gc_blocks'][1]} "
+              f"({row['full_gc_seconds'][1] * 1e3:.0f} ms)"
               + (f"; marks {','.join(row['marks'])}" if "marks" in row else ""), flush=True)
     return out
 
