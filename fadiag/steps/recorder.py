@@ -67,7 +67,7 @@ def _never_compiled(wrapper: CodeType) -> None:
     """The wrapper's frame is never compiled on its own, nor the bookkeeping it calls (eager.py,
     never_compiled): a call left to run eagerly by a graph break is measured like any eager one."""
     never_compiled(wrapper, callees=False)
-    for method in (Recorder.begin, Recorder.probe_forward, Recorder.end):
+    for method in (Recorder.begin, Recorder.probe_forward, Recorder.end, Recorder.open_phase):
         never_compiled(method.__code__, callees=True)
 
 
@@ -245,6 +245,13 @@ class Recorder(StepBoundaries):
             if calls and calls[-1].fwd0 is None:  # appended, and its start mark failed
                 calls.pop()
             return None
+
+    def open_phase(self) -> None:
+        """A forward after a backward opens its micro-batch, as `begin` opens it: called by the C++
+        fast path (FastBegin.call, capture/_native/marks.cpp), which then makes the call itself."""
+        native = self._native_backward_seen()
+        if self.backward_seen or native:
+            self._new_phase()
 
     def _linkable(self, timer: Any) -> bool:
         """Whether the tap can time a call measured on `timer`: it has `timer`'s pool, or

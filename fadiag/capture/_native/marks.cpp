@@ -280,7 +280,9 @@ class FastBegin {
         backward_seen_name_("backward_seen"),
         depth_name_("depth"),
         aborted_name_("aborted"),
-        on_error_name_("_on_error") {}
+        on_error_name_("_on_error"),
+        step_index_name_("step_index"),
+        open_phase_name_("open_phase") {}
 
   // The call's record (already in `calls`, its forward start mark taken), or None.
   py::object begin(py::tuple args, py::dict kwargs, py::list calls, bool backward_seen) {
@@ -300,8 +302,9 @@ class FastBegin {
   // The whole steady-state call of a signature the dispatcher tap times, called by the wrapper
   // in place of Tap.enter, Recorder.begin, `original` and Tap.exit: the call recorded and linked,
   // `original(*args, **kwargs)` called and its result returned. NotImplemented where the call is
-  // not one it takes (Python's path then runs), before anything is changed. `skip`: frames from
-  // the current one to the wrapper's caller (1 from the Python wrapper, 0 from eager.cpp's).
+  // not one it takes (Python's path then runs), before anything is changed but a new micro-batch
+  // opened, as Python's path would open it first. `skip`: frames from the current one to the
+  // wrapper's caller (1 from the Python wrapper, 0 from eager.cpp's).
   py::object call(py::handle original, py::tuple args, py::dict kwargs, py::handle recorder,
                   int64_t skip) {
     const Known* known = nullptr;
@@ -309,8 +312,22 @@ class FastBegin {
     py::object loc;
     try {
       py::object held = recorder.attr(calls_name_);
-      const int backward_seen = PyObject_IsTrue(recorder.attr(backward_seen_name_).ptr());
+      int backward_seen = PyObject_IsTrue(recorder.attr(backward_seen_name_).ptr());
       if (backward_seen < 0) throw py::error_already_set();
+      if ((backward_seen == 1 || backward_ran()) && opens_phase(held)) {
+        // The first call after a backward (a micro-batch's): Python opens the phase as its own
+        // path does (Recorder.open_phase), and the call goes on here. Where that closed a step
+        // (no optimizer seen: each micro-batch is a step), the rest is Python's path.
+        py::object step = recorder.attr(step_index_name_);
+        recorder.attr(open_phase_name_)();
+        py::object now = recorder.attr(step_index_name_);
+        if (!now.equal(step)) {
+          return py::reinterpret_borrow<py::object>(Py_NotImplemented);
+        }
+        held = recorder.attr(calls_name_);
+        backward_seen = PyObject_IsTrue(recorder.attr(backward_seen_name_).ptr());
+        if (backward_seen < 0) throw py::error_already_set();
+      }
       if (PyList_Check(held.ptr())) {  // the recorder's own list, not a copy of something else
         calls = py::reinterpret_borrow<py::list>(held);
         known = find(args, kwargs, calls, backward_seen == 1, skip, loc);
@@ -369,6 +386,18 @@ class FastBegin {
     py::object sig;
     bool linked = false;
   };
+
+  // A backward ran since the recorder last looked (its timer's count moved).
+  bool backward_ran() {
+    return py::cast<int64_t>(timer_.attr(seen_name_)) != pool_->backward_starts();
+  }
+
+  // Whether Python's path would open a phase for this call before anything else: grad on, not a
+  // recomputation, the step's calls under the cap (Recorder.begin's order).
+  bool opens_phase(const py::object& calls) const {
+    return c10::GradMode::is_enabled() && torch::autograd::get_current_graph_task_id() == -1 &&
+           PyList_Check(calls.ptr()) && PyList_GET_SIZE(calls.ptr()) < max_calls_;
+  }
 
   // The learned signature of a steady-state call (grad on, no recomputation, no backward since
   // the last call, under the per-step cap, its site known: `loc`), or null: then nothing was
@@ -657,7 +686,7 @@ class FastBegin {
   int64_t max_calls_;
   static constexpr int64_t kSiteNames = 4096;  // ordinals per location kept as strings, at most
   py::str seen_name_, sig_name_, fwd0_name_, link_name_, calls_name_, backward_seen_name_,
-      depth_name_, aborted_name_, on_error_name_;
+      depth_name_, aborted_name_, on_error_name_, step_index_name_, open_phase_name_;
   std::unordered_map<FastKey, Known, FastKeyHash> sigs_;
   FastKey scratch_;
   // Location string (pointer) -> (the string, its sites by ordinal).
