@@ -118,6 +118,25 @@ def test_micro_batches_keep_their_sites_when_the_tap_times_them():
     assert s.recorder.tap.counts()["unrecorded"] == 0
 
 
+def test_without_optimizer_each_pass_is_a_step_when_the_tap_times_its_calls():
+    # Before any optimizer step, each pass's first call opens a micro-batch (made whole in C++);
+    # once steps.fallback_after passes went by without one, opening it closes a step (Python's
+    # path then makes the call). Every pass ends as a step of its own either way.
+    torch.manual_seed(0)
+    model = GPT(layers=LAYERS, dim=DIM, heads=HEADS)
+    s = fadiag.attach(port=0, tap="on", **{"steps.fallback_after": 3})
+    for _ in range(8):
+        model(torch.randint(0, 64, (BATCH, SEQ))).sum().backward()
+    model(torch.randint(0, 64, (BATCH, SEQ)))  # the forward that closes the eighth pass
+    assert s.flush(10)
+    steps = s.history()[:8]  # the ninth: the last forward, with no backward, as flush() left it
+    assert [r.step for r in steps] == list(range(1, 9))
+    assert [len(r.calls) for r in steps] == [LAYERS] * 8
+    assert all(c.forward_seconds > 0 and c.backward_seconds > 0 for r in steps for c in r.calls)
+    assert all([c.site for c in r.calls] == [c.site for c in steps[0].calls] for r in steps)
+    assert s.recorder.tap.counts()["unrecorded"] == 0 and s.errors == 0
+
+
 @pytest.mark.parametrize("mode", ["non_reentrant", "reentrant"])
 def test_checkpointed_layers_under_the_tap_mark_recomputes_and_time_every_backward(mode):
     torch.manual_seed(0)
