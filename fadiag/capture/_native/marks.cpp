@@ -145,43 +145,17 @@ class Marks {
 
   // A step's seconds in one call, made without the GIL. `slots` holds four per call: forward
   // start, forward end, backward start, backward end (-1: none). None while a mark the device
-  // has not passed is needed; a backward that started and has not ended is waited for unless
-  // `give_up_open_backward`. Otherwise four per call: forward and backward seconds, the backward
-  // 0 when it did not run (or was not hooked), -1 when it ran while a CUDA graph captured the
-  // stream (its marks refused: the kernels run at the graph's replays, unseen), both NaN for a
-  // call whose forward marks failed (counted as errors when they did); then the host ns each
-  // window may hold (Pool::held_host_ns). One CUDA call a window: its elapsed time, which says
-  // whether the device has passed both ends (Pool::elapsed_if_done).
+  // has not passed is needed (see Pool::read_call); otherwise four per call, as read_call reads
+  // them (a call whose forward marks failed reads NaN: counted as errors when they did).
   std::optional<std::vector<double>> seconds(const std::vector<int64_t>& slots,
                                              bool give_up_open_backward) {
     TORCH_CHECK(slots.size() % 4 == 0, "fadiag marks: four slots per call");
-    const size_t calls = slots.size() / 4;
-    std::vector<double> out(4 * calls, 0.0);
-    for (size_t i = 0; i < calls; ++i) {
-      double* o = &out[4 * i];
-      const int64_t f0 = slots[4 * i], f1 = slots[4 * i + 1];
-      const int64_t b0 = slots[4 * i + 2], b1 = slots[4 * i + 3];
-      if (!pool_->recorded(f0) || !pool_->recorded(f1)) {
-        o[0] = o[1] = std::numeric_limits<double>::quiet_NaN();
-        continue;
+    std::vector<double> out(slots.size(), 0.0);
+    for (size_t i = 0; i < slots.size(); i += 4) {
+      if (!pool_->read_call(slots[i], slots[i + 1], slots[i + 2], slots[i + 3],
+                            give_up_open_backward, &out[i])) {
+        return std::nullopt;
       }
-      const std::optional<double> forward = pool_->elapsed_if_done(f0, f1);
-      if (!forward) return std::nullopt;
-      o[0] = *forward;
-      o[2] = static_cast<double>(pool_->held_host_ns(f0, f1));
-      if (pool_->in_capture(b0) || pool_->in_capture(b1)) {
-        o[1] = -1.0;
-        continue;
-      }
-      if (b0 < 0 || !pool_->recorded(b0)) continue;
-      if (b1 < 0 || !pool_->recorded(b1)) {
-        if (!give_up_open_backward) return std::nullopt;
-        continue;
-      }
-      const std::optional<double> backward = pool_->elapsed_if_done(b0, b1);
-      if (!backward) return std::nullopt;
-      o[1] = *backward;
-      o[3] = static_cast<double>(pool_->held_host_ns(b0, b1));
     }
     return out;
   }
@@ -392,8 +366,9 @@ class FastBegin {
     return py::cast<int64_t>(timer_.attr(seen_name_)) != pool_->backward_starts();
   }
 
-  // Whether Python's path would open a phase for this call before anything else: grad on, not a
-  // recomputation, the step's calls under the cap (Recorder.begin's order).
+  // Whether Python's path would open a phase for this call before anything else, and the call
+  // may be a steady one: grad on, not a recomputation, the step's calls under the cap
+  // (Recorder.begin's order).
   bool opens_phase(const py::object& calls) const {
     return c10::GradMode::is_enabled() && torch::autograd::get_current_graph_task_id() == -1 &&
            PyList_Check(calls.ptr()) && PyList_GET_SIZE(calls.ptr()) < max_calls_;
@@ -404,14 +379,9 @@ class FastBegin {
   // changed. `skip`: frames from the calling one to the wrapper's caller.
   const Known* find(const py::tuple& args, const py::dict& kwargs, const py::list& calls,
                     bool backward_seen, int64_t skip, py::object& loc) {
-    if (!c10::GradMode::is_enabled() || backward_seen ||
-        static_cast<int64_t>(PyList_GET_SIZE(calls.ptr())) >= max_calls_) {
-      return nullptr;
-    }
-    if (torch::autograd::get_current_graph_task_id() != -1) return nullptr;  // a recomputation
-    if (py::cast<int64_t>(timer_.attr(seen_name_)) != pool_->backward_starts()) {
-      return nullptr;  // a backward ran since the last call: Python opens a new phase
-    }
+    // Not with grad off, in a recomputation, past the cap, or first after a backward (its
+    // phase is opened first: call()).
+    if (backward_seen || !opens_phase(calls) || backward_ran()) return nullptr;
     // The key is built in one buffer kept between calls: no allocation on the steady path.
     scratch_.v.clear();
     if (!make_key(args, kwargs, scratch_)) return nullptr;

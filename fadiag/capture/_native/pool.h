@@ -16,6 +16,7 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -254,6 +255,37 @@ class Pool {
     const Slot* sb = at(b);
     if (sa == nullptr || sb == nullptr || !sb->start_passed) return 0;
     return std::max<int64_t>(sb->host_ns - sa->host_ns, 1);
+  }
+
+  // One call's two windows (forward: f0..f1, backward: b0..b1; -1: no mark) into `o`: forward
+  // and backward seconds, then the host ns each may hold (held_host_ns). False while a mark the
+  // device has not passed is needed; a backward that started and has not ended is waited for
+  // unless `give_up_open_backward`. The backward reads 0 when it did not run (or was not hooked)
+  // and -1 when it ran while a CUDA graph captured the stream (its marks refused: the kernels run
+  // at the graph's replays, unseen); both read NaN where the forward marks failed. One CUDA call
+  // a window: its elapsed time, which says whether the device has passed both ends.
+  bool read_call(int64_t f0, int64_t f1, int64_t b0, int64_t b1, bool give_up_open_backward,
+                 double o[4]) {
+    o[0] = o[1] = o[2] = o[3] = 0.0;
+    if (!recorded(f0) || !recorded(f1)) {
+      o[0] = o[1] = std::numeric_limits<double>::quiet_NaN();
+      return true;
+    }
+    const std::optional<double> forward = elapsed_if_done(f0, f1);
+    if (!forward) return false;
+    o[0] = *forward;
+    o[2] = static_cast<double>(held_host_ns(f0, f1));
+    if (in_capture(b0) || in_capture(b1)) {
+      o[1] = -1.0;
+      return true;
+    }
+    if (b0 < 0 || !recorded(b0)) return true;
+    if (b1 < 0 || !recorded(b1)) return give_up_open_backward;
+    const std::optional<double> backward = elapsed_if_done(b0, b1);
+    if (!backward) return false;
+    o[1] = *backward;
+    o[3] = static_cast<double>(held_host_ns(b0, b1));
+    return true;
   }
 
   // The slot may be handed out again; hooks still holding it are disarmed.

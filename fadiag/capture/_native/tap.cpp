@@ -629,27 +629,16 @@ class Tally {
             const std::vector<bool>& recompute, bool give_up_open_backward) {
     const std::vector<Record>& rs = batch.records;
     if (rs.empty() || keys.size() != rs.size() || recompute.size() != rs.size()) return -1;
-    std::vector<double> s(4 * rs.size(), 0.0);  // as Marks.seconds: f, b, f host ns, b host ns
+    std::vector<double> s(4 * rs.size(), 0.0);  // per record, as Pool::read_call reads it
     {
       py::gil_scoped_release no_gil;
       for (size_t i = 0; i < rs.size(); ++i) {
         const Record& r = rs[i];
         Pool* pool = state.pool_of(r);
-        if (pool == nullptr || !pool->recorded(r.f0) || !pool->recorded(r.f1)) return -1;
-        const std::optional<double> f = pool->elapsed_if_done(r.f0, r.f1);
-        if (!f) return 0;
-        s[4 * i] = *f;
-        s[4 * i + 2] = static_cast<double>(pool->held_host_ns(r.f0, r.f1));
-        if (pool->in_capture(r.b0) || pool->in_capture(r.b1)) return -1;
-        if (r.b0 < 0 || !pool->recorded(r.b0)) continue;
-        if (r.b1 < 0 || !pool->recorded(r.b1)) {
-          if (!give_up_open_backward) return 0;
-          continue;
-        }
-        const std::optional<double> b = pool->elapsed_if_done(r.b0, r.b1);
-        if (!b) return 0;
-        s[4 * i + 1] = *b;
-        s[4 * i + 3] = static_cast<double>(pool->held_host_ns(r.b0, r.b1));
+        if (pool == nullptr) return -1;
+        if (!pool->read_call(r.f0, r.f1, r.b0, r.b1, give_up_open_backward, &s[4 * i])) return 0;
+        // A failed forward mark, a backward refused in a graph capture: Python's to count.
+        if (std::isnan(s[4 * i]) || s[4 * i + 1] < 0.0) return -1;
       }
     }
     {
