@@ -18,7 +18,7 @@ from prometheus_client.core import (
     Metric,
 )
 
-from ..steps.counting import Row
+from ..steps.counting import KeySums, Row
 from ..steps.records import Flag, StepReport
 from .sinks import Sink
 
@@ -122,14 +122,12 @@ class Metrics(Sink):
         self._observe(calls, None)
 
     def merge(self, steps: int, step_counts: list[int], step_sum: float,
-              keys: list[tuple[str, str, list[int], float, int, list[int], float, int]]) -> None:
+              keys: list[KeySums]) -> None:
         """Steps counted in C++ (steps/steady.py), summed there as `count` sums rows: into the
         histograms and counters, fadiag_steps_total and fadiag_steps_unreported_total."""
         with self._lock:
             for impl, site, fwd, fwd_sum, calls, bwd, bwd_sum, host_bound in keys:
-                labels: tuple[str, ...] = (impl,)
-                if self.per_site:
-                    labels += (self._site_label(site),)
+                labels = self._labels(impl, site)
                 if calls:
                     self._fwd.setdefault(labels, Histogram()).add(fwd, fwd_sum)
                     self._calls[impl] = self._calls.get(impl, 0) + calls
@@ -145,9 +143,7 @@ class Metrics(Sink):
         forward = backward = 0.0  # the step's attention seconds, summed as a report sums them
         with self._lock:
             for impl, site, f, b, recompute, host_bound in calls:
-                labels: tuple[str, ...] = (impl,)
-                if self.per_site:
-                    labels += (self._site_label(site),)
+                labels = self._labels(impl, site)
                 if not recompute:
                     h = self._fwd.get(labels)
                     if h is None:
@@ -189,6 +185,10 @@ class Metrics(Sink):
     def set_uninstrumented(self, reason: str, total: int) -> None:
         with self._lock:
             self._uninstrumented[reason] = total
+
+    def _labels(self, impl: str, site: str) -> tuple[str, ...]:
+        """A call's histogram labels: its impl, and its site where series are per site."""
+        return (impl, self._site_label(site)) if self.per_site else (impl,)
 
     def _site_label(self, site: str) -> str:
         if site in self._sites:

@@ -15,6 +15,9 @@ from .records import windows_host_bound
 
 Row = tuple[str, str, float, float, bool, bool]
 """A counted call: impl, site, forward seconds, backward seconds, recompute, host-bound."""
+KeySums = tuple[str, str, list[int], float, int, list[int], float, int]
+"""Counted calls of one key, summed (steps/steady.py's C++ tally): impl, site, forward histogram
+counts, forward sum, calls, backward histogram counts, backward sum, host-bound calls."""
 
 
 class Counter(Protocol):
@@ -28,7 +31,7 @@ class Counter(Protocol):
         """One counted step's calls."""
 
     def merge(self, steps: int, step_counts: list[int], step_sum: float,
-              keys: list[tuple[str, str, list[int], float, int, list[int], float, int]]) -> None:
+              keys: list[KeySums]) -> None:
         """Steps counted in C++ (steps/steady.py's `take`)."""
 
 

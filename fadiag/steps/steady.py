@@ -28,12 +28,11 @@ from typing import Any
 
 from ..capture.calls import Call
 from .boundary import ClosedStep
+from .counting import KeySums
 from .records import HOST_BOUND_SHARE
 
-Summed = tuple[int, list[int], float,
-               list[tuple[str, str, list[int], float, int, list[int], float, int]]]
-"""What `take` hands over: steps, the step histogram's counts and sum, and per key (impl, site):
-forward counts, forward sum, calls, backward counts, backward sum, host-bound calls."""
+Summed = tuple[int, list[int], float, list[KeySums]]
+"""What `take` hands over: steps, the step histogram's counts and sum, and each key's sums."""
 
 
 class SteadySteps:
