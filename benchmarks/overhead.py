@@ -17,6 +17,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -413,15 +414,19 @@ def block_time(step, n: int, warm: int = 1, settle=_nothing,
 
 
 def measure(model_name: str, variants: list[str], pairs: int, steps: int,
-            seconds: float | None = None) -> dict:
+            seconds: float | None = None, out: dict | None = None,
+            save: Callable[[], None] = lambda: None) -> dict:
     """Each variant against plain over `pairs` pairs of `steps`-step blocks; with `seconds`, a
     variant takes fewer pairs (5 at least) once its share of that time is spent, so a run that
-    has to end by a limit measures every variant instead of losing the last ones."""
+    has to end by a limit measures every variant instead of losing the last ones.
+
+    Rows go into `out` as each variant ends, and `save` is called after each, so a run cut off
+    by a time limit keeps what it measured."""
     MARKS_SEEN.clear()  # the host-cost microbenchmark above used the same variants
     model, step = make(model_name)
     for _ in range(10):
         step()
-    out = {}
+    out = {} if out is None else out
     runs = [v for v in ["plain"] + variants
             # floor and sync timers patch the model's Python code, which compiled code does not run
             if not (MODELS[model_name].get("compile") and v.startswith(("floor", "sync")))]
@@ -486,6 +491,7 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int,
               f"{row['full_gc_blocks'][0]}, variant {row['full_gc_blocks'][1]} "
               f"({row['full_gc_seconds'][1] * 1e3:.0f} ms)"
               + (f"; marks {','.join(row['marks'])}" if "marks" in row else ""), flush=True)
+        save()
     return out
 
 
@@ -619,6 +625,12 @@ def main() -> None:
     marks_first(file=sys.stdout)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
               "date": time.strftime("%Y-%m-%d"), "command": " ".join(sys.argv)}
+    out_path = Path(args.out)
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+
+    def save() -> None:
+        out_path.write_text(json.dumps(result, indent=1))
+
     # Per-call host costs, interleaved and repeated, are tap_cost.py's and hot_path.py's.
     for m in filter(None, args.models.split(",")):  # --models "" measures memory only
         gpu_bound = m.endswith("gpu_bound")
@@ -627,11 +639,11 @@ def main() -> None:
         if args.rotate:
             result[m] = measure_rotated(m, variants, args.pairs or 1000, steps, args.seconds)
         else:
-            result[m] = measure(m, variants, pairs, steps, args.seconds)
+            measure(m, variants, pairs, steps, args.seconds, out=result.setdefault(m, {}), save=save)
+        save()
     if args.memory_steps:
         result["memory"] = memory_over_steps(args.memory_steps)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(result, indent=1))
+    save()
 
 
 if __name__ == "__main__":
