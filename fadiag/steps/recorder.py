@@ -198,9 +198,7 @@ class Recorder(StepBoundaries):
             if recompute and (self.in_backward > 0 or self._native_in_backward()):
                 return None  # inside a measured op's own backward: already timed there
             if not recompute:
-                native = self._native_backward_seen()  # always read: it keeps count
-                if self.backward_seen or native:
-                    self._new_phase()
+                self.open_phase()
             info: CallInfo | None = None
             if op.quick is not None:
                 q, k, v, extra = op.quick(args, kwargs)
@@ -247,9 +245,10 @@ class Recorder(StepBoundaries):
             return None
 
     def open_phase(self) -> None:
-        """A forward after a backward opens its micro-batch, as `begin` opens it: called by the C++
-        fast path (FastBegin.call, capture/_native/marks.cpp), which then makes the call itself."""
-        native = self._native_backward_seen()
+        """A forward after a backward opens its micro-batch: called by `begin` for a call that is
+        not a recomputation, and by the C++ fast path (FastBegin.call, capture/_native/marks.cpp),
+        which then makes the call itself."""
+        native = self._native_backward_seen()  # always read: it keeps count
         if self.backward_seen or native:
             self._new_phase()
 
