@@ -549,16 +549,14 @@ def measure_rotated(model_name: str, variants: list[str], rounds: int, steps: in
                 f" IQR {q[0] * 100:+.2f} .. {q[2] * 100:+.2f})")
         if floor_name is not None and v not in (floor_name, "plain_again"):
             gaps = [(b - f) / a for a, b, f in zip(plain, walls[v], walls[floor_name], strict=True)]
-            lo, hi = median_ci95(gaps)
+            mid, (lo, hi) = statistics.median(gaps), median_ci95(gaps)
             # The same gap in µs a step: a fixed host cost reads as more points on a faster host.
             gaps_us = [(b - f) * 1e6 for b, f in zip(walls[v], walls[floor_name], strict=True)]
-            lo_us, hi_us = median_ci95(gaps_us)
-            row["gap_to_floor"] = {"median": statistics.median(gaps), "median_ci95": [lo, hi],
-                                   "median_us": statistics.median(gaps_us),
-                                   "median_us_ci95": [lo_us, hi_us]}
-            line += (f"; over the floor {statistics.median(gaps) * 100:+.2f} points "
-                     f"({lo * 100:+.2f} .. {hi * 100:+.2f}), "
-                     f"{statistics.median(gaps_us):+.0f} µs a step ({lo_us:+.0f} .. {hi_us:+.0f})")
+            mid_us, (lo_us, hi_us) = statistics.median(gaps_us), median_ci95(gaps_us)
+            row["gap_to_floor"] = {"median": mid, "median_ci95": [lo, hi],
+                                   "median_us": mid_us, "median_us_ci95": [lo_us, hi_us]}
+            line += (f"; over the floor {mid * 100:+.2f} points ({lo * 100:+.2f} .. {hi * 100:+.2f}), "
+                     f"{mid_us:+.0f} µs a step ({lo_us:+.0f} .. {hi_us:+.0f})")
         if v in MARKS_SEEN:
             row["marks"] = sorted(MARKS_SEEN.pop(v))
             line += f"; marks {','.join(row['marks'])}"
