@@ -14,6 +14,7 @@ import contextlib
 import gc
 import json
 import os
+import re
 import statistics
 import sys
 import time
@@ -135,10 +136,11 @@ def variant(name: str, model: nn.Module):
             overrides["per_site"] = True
         if name.startswith("fadiag_sampled"):
             overrides["every_n_steps"] = sampled_every(name)
-        if name.startswith("fadiag_reports_"):
+        reports = re.search(r"_reports_(\d+)$", name)
+        if reports:
             # Every call timed and counted; a step report (rules, log, JSONL) for N steps a
-            # second of training (sampling.reports_per_second).
-            overrides["sampling.reports_per_second"] = float(name.rpartition("_")[2])
+            # second of training (sampling.reports_per_second). A suffix of any variant.
+            overrides["sampling.reports_per_second"] = float(reports.group(1))
         if name == "fadiag_python":
             overrides["native"] = "off"
         if name == "fadiag_wrapper_marks":
@@ -167,7 +169,8 @@ def variant(name: str, model: nn.Module):
             # Every call started by Recorder.begin in Python: the C++ fast path never learns a
             # signature (what ran before design change 10).
             session.recorder._remember = lambda *learned: None
-        if name == "fadiag_tap_only":
+        tap_only = name.startswith("fadiag_tap_only")
+        if tap_only:
             # The Python wrapper taken off SDPA: eager calls reach the dispatcher tap as compiled
             # code's do (sites `compiled#n`), so what is left is the tap's C++, the step boundary
             # and the resolver: the wrapper's own share is fadiag minus this.
@@ -222,7 +225,7 @@ def variant(name: str, model: nn.Module):
             tap = session.recorder.tap
             if tap is not None and tap.backward_starts():
                 MARKS_SEEN[name].add("tap")  # the tap timed calls of this block
-            if name == "fadiag_tap_only":
+            if tap_only:
                 F.scaled_dot_product_attention = wrapped
             fadiag.detach()
     elif name in ("floor_python", "floor_native", "floor_query"):
