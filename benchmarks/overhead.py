@@ -143,6 +143,10 @@ def variant(name: str, model: nn.Module):
             overrides["sampling.reports_per_second"] = float(reports.group(1))
         if name == "fadiag_python":
             overrides["native"] = "off"
+        if name.startswith("fadiag_no_bypass"):
+            # Every eager call through SDPA's wrapper (steps.verify_every 0): no step bypassed
+            # (steps/bypass.py), as before bypassed steps.
+            overrides["steps.verify_every"] = 0
         if name == "fadiag_wrapper_marks":
             # No dispatcher tap: every eager call timed by the wrapper's own marks and backward
             # hooks (what eager calls ran before the tap timed them; compiled ones go unmeasured).

@@ -107,7 +107,8 @@ class Session:
         self.recorder = Recorder(
             self.devices, every_n_steps=config.sampling.every_n_steps,
             record_no_grad=steps.record_no_grad, max_calls_per_step=steps.max_calls_per_step,
-            fallback_after=steps.fallback_after, on_error=self._error, on_step=self._on_step)
+            fallback_after=steps.fallback_after, verify_every=steps.verify_every,
+            on_error=self._error, on_step=self._on_step)
         self.resolver = Resolver(
             rank=self.rank, history=steps.history, open_calls=self.recorder.open_calls,
             on_report=self._on_report, on_tick=self._on_tick, on_error=self._error,

@@ -640,8 +640,9 @@ def test_config_keys_list_every_leaf_with_its_default():
     assert keys["exporter.port"] == 9464
     assert keys["rules.hang.timeout_seconds"] == 300.0
     assert keys["rules.regression.min_increase_seconds"] == 0.0005
-    assert len(keys) == 49
+    assert len(keys) == 50
     assert keys["native"] == "auto"
+    assert keys["steps.verify_every"] == 100
 
 
 # --- fuzzing ----------------------------------------------------------------------------------

@@ -441,6 +441,37 @@ def test_counted_steps_time_every_call_and_give_every_mark_back(marks, compiled)
     assert session.errors == 0
 
 
+def test_bypassed_eager_steps_report_as_the_wrapper_measures_them():
+    """Steps whose SDPA calls run no fadiag Python (steps/bypass.py): the tap times each call,
+    named by the order of the last step the wrapper measured; every fifth step is the wrapper's."""
+    model = GPT(layers=4, dim=256, heads=4, vocab=128).cuda().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    tokens = torch.randint(0, 128, (4, 512), device="cuda")
+    session = attach("tap", **{"steps.verify_every": 5})
+    for _ in range(20):
+        model(tokens).float().pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert session.flush(30)
+    assert session.recorder.bypass.steps == 13  # 4, 6-9, 11-14, 16-19 (see tests/test_bypass.py)
+    reports = session.history()
+    wrapper = [r for r in reports[2:] if r.step % 5 == 0 or r.step == 3]
+    bypassed = [r for r in reports[3:] if r.step % 5]
+
+    def rows(r):
+        return [(c.site, c.impl, c.kept_bytes, c.standard_bytes) for c in r.calls]
+
+    assert all(rows(r) == rows(wrapper[0]) for r in reports[1:])
+    assert all(c.impl in ("flash", "cudnn", "efficient") for c in wrapper[0].calls)
+    for kind in ("forward_seconds", "backward_seconds"):
+        by_wrapper = statistics.median(getattr(c, kind) for r in wrapper for c in r.calls)
+        by_order = statistics.median(getattr(c, kind) for r in bypassed for c in r.calls)
+        print(f"{kind}: wrapper's steps {by_wrapper * 1e6:.1f} us, bypassed {by_order * 1e6:.1f} us")
+        assert abs(by_order / by_wrapper - 1) < 0.25  # the same kernels, timed the same way
+    assert session.devices.timer("cuda").marks_in_use() == 0
+    assert session.errors == 0
+
+
 def test_the_hang_signal_sees_a_tapped_call_the_device_has_not_passed():
     import time
 

@@ -160,6 +160,7 @@ class Interceptors:
         if self._forget_undo is not None:
             self._forget_undo()
             self._forget_undo = None
+        self.recorder.use_builtins(None, [])
         for fn in self._builtins:  # a reference kept anywhere calls the original from now on
             self._ext.eager_bind(fn, None, None, None)
         self._builtins.clear()
@@ -193,10 +194,12 @@ class Interceptors:
         if self._builtins:
             self.eager_wrapper = "native"
             self._forget_undo = eager.on_failure(self._python_again)
+            self.recorder.use_builtins(ext, self._builtins)
 
     def _python_again(self) -> None:
         """Dynamo refused the builtins: the Python wrappers go back in their place (a builtin
         dynamo does not know would break its graph)."""
+        self.recorder.use_builtins(None, [])
         for _, owner, attr, _, wrapper in self._sdpa:
             if eager.is_builtin(getattr(owner, attr, None)):
                 setattr(owner, attr, wrapper)

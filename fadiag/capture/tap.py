@@ -19,17 +19,18 @@ from __future__ import annotations
 
 import collections
 import logging
-import weakref
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from . import order as orders
 from .attention_op import AttentionOp, CallInfo
 from .calls import Signature
 from .device import NativeTimer
 from .ops import read_sdpa
 from .patcher import Patcher
+from .replays import watch_cuda_graphs
 
 log = logging.getLogger("fadiag")
 
@@ -182,8 +183,6 @@ class Tap:
         """Steady-clock ns of the oldest uncut record the device has not passed, or -1."""
         self._signatures: dict[Any, Signature] = {}
         self._patcher = Patcher()
-        self._graph_calls: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
-        self._capture_start = 0
         self.capturing = False
         """A CUDA graph is being captured: the Python wrappers must take no marks."""
         self.cuda_graph_calls = 0
@@ -197,6 +196,8 @@ class Tap:
         self.unrecorded = 0
         """Linked calls the tap has no record of (cut off by the per-step cap, an unreadable
         argument, an error): not measured."""
+        self.order: orders.EagerOrder | None = None
+        """The order bypassed eager steps are named by (the resolver's, read at step boundaries)."""
         self.ops: list[str] = []
         self.how: dict[str, str] = {}
         """How each op is tapped: "typed" (aten's, unboxed), "boxed", or "wrapped" (the op's own
@@ -206,7 +207,7 @@ class Tap:
         found = specs()
         self.how = dict(zip((s["name"] for s in found), self._tap.install(found), strict=True))
         self.ops = sorted(self.how)
-        self._watch_cuda_graphs()
+        watch_cuda_graphs(self, self._patcher, lambda: self._tap.counts()["captured"])
         log.info("fadiag: dispatcher tap on %d attention ops (%s)", len(self.ops),
                  ", ".join(f"{op.split('::')[1]} ({self.how[op]})" for op in self.ops))
 
@@ -226,6 +227,10 @@ class Tap:
         c["no_grad"] = self.no_grad
         c["unrecorded"] = self.unrecorded
         return c
+
+    def captured(self) -> int:
+        """Calls seen while a CUDA graph captured their stream (cumulative; no marks taken)."""
+        return int(self._tap.counts()["captured"])
 
     def counted(self) -> int:
         """A number that grows whenever a reason `counts()` reads grows, except the resolver's
@@ -247,7 +252,8 @@ class Tap:
         batch = self._tap.cut()
         return batch if len(batch) else None
 
-    def calls(self, batch: Any, call_class: Any, linked: list[Any]) -> tuple[list[Any], int, int]:
+    def calls(self, batch: Any, call_class: Any, linked: list[Any],
+              by_order: orders.EagerOrder | None = None) -> tuple[list[Any], int, int]:
         """A cut's records as calls, on the resolver thread: (compiled code's calls, forwards
         dropped as evaluation, linked calls left without a record).
 
@@ -255,7 +261,8 @@ class Tap:
         one whose call is in a later step is kept for it (steps closed together at one boundary,
         as the micro-batches of a run without optimizer: the first takes the whole cut). A
         linked call with no record is marked aborted and counted. The others become the
-        recorder's `Call`s, in forward order, as `_compiled` names them.
+        recorder's `Call`s, in forward order, as `_compiled` names them (by `by_order`, the order of
+        a bypassed step).
         """
         compiled = []
         later = self._later
@@ -276,8 +283,14 @@ class Tap:
         self.unrecorded += missing
         self._forget_later()
         before = self.no_grad
-        out = self._compiled(compiled, call_class)
+        out = self._compiled(compiled, call_class, by_order)
         return out, self.no_grad - before, missing
+
+    def learn_order(self, keys: list[Any], calls: list[Any], step: int) -> None:
+        """The order of a step the wrapper measured, learned or verified (capture/order.py)."""
+        learned = orders.learn(keys, calls, step, self.order)
+        if learned is not None:
+            self.order = learned
 
     def release(self, batch: Any) -> None:
         """Give back every mark of a cut that will not be resolved (its step dropped)."""
@@ -310,14 +323,16 @@ class Tap:
             self.timers["cuda" if r[5] else "cpu"].release(r[1], r[2], r[3], r[4])
         self._claimed_below = max(self._later, default=self._claimed_below)
 
-    def _compiled(self, rows: list[Any], call_class: Any) -> list[Any]:
+    def _compiled(self, rows: list[Any], call_class: Any,
+                  by_order: orders.EagerOrder | None = None) -> list[Any]:
         """Compiled code's records as the recorder's `Call`s, in forward order.
 
         Sites: `compiled#n`, n counting the forwards of each pass (micro-batch); a recomputation
         (activation checkpointing: a forward run inside the backward pass) takes the site of the
         forward it replays, in reverse order, as the eager path names them. A forward with no
         backward of its own or of its recomputation ran without grad (evaluation): dropped unless
-        steps.record_no_grad, and counted.
+        steps.record_no_grad, and counted. A bypassed eager step's records take the site and
+        signature of the call at their place in its order, `by_order` (capture/order.py).
         """
         if not rows:
             return []
@@ -347,54 +362,24 @@ class Tap:
                 self.no_grad += 1
                 timer.release(f0, f1, b0, b1)
                 continue
+            site, sig = f"{SITE}#{n}", None
+            if by_order is not None:
+                site, sig = orders.name(by_order, n, (op_i, shape, dv, kvh, dtype, device, causal,
+                                                  dropout))
             if kept is None:
                 kept = kept_by_site.get((phase, n))
             key = (op_i, shape, dv, kvh, dtype, device, causal, dropout, kept, b0 is None)
-            sig = self._signatures.get(key)
+            if sig is None:
+                sig = self._signatures.get(key)
             if sig is None:
                 op = TAP_OPS[op_i]
                 sig = self._signatures[key] = signature(
                     op.impl, tuple(shape), dv, kvh, dtype, "cuda" if cuda else "cpu", causal,
                     dropout, op.bshd, kept)
                 sig.forward_only = b0 is None and not recompute
-            call = call_class(f"{SITE}#{n}", timer, recompute, None, None, None)
+            call = call_class(site, timer, recompute, None, None, None)
             call.sig = sig
             call.fwd0, call.fwd1, call.bwd0, call.bwd1 = f0, f1, b0, b1
             call.graph_backward = graph_backward
             calls.append(call)
         return calls
-
-    # ---- CUDA graphs -------------------------------------------------------------------------
-
-    def _watch_cuda_graphs(self) -> None:
-        """Count what CUDA graphs replay: the tap sees a graph's attention ops once, while it is
-        captured (and takes no marks then); each replay runs them again unseen."""
-        graph_class = getattr(torch.cuda, "CUDAGraph", None)
-        if graph_class is None or not torch.cuda.is_available():
-            return
-        tap = self
-        begin, end, replay = (getattr(graph_class, n) for n in ("capture_begin", "capture_end",
-                                                                 "replay"))
-
-        def capture_begin(graph: Any, *args: Any, **kwargs: Any) -> Any:
-            tap.capturing = True
-            tap._capture_start = tap._tap.counts()["captured"]
-            return begin(graph, *args, **kwargs)
-
-        def capture_end(graph: Any, *args: Any, **kwargs: Any) -> Any:
-            try:
-                return end(graph, *args, **kwargs)
-            finally:
-                tap.capturing = False
-                n = tap._tap.counts()["captured"] - tap._capture_start
-                if n:
-                    tap._graph_calls[graph] = n
-
-        def graph_replay(graph: Any, *args: Any, **kwargs: Any) -> Any:
-            tap.cuda_graph_calls += tap._graph_calls.get(graph, 0)
-            return replay(graph, *args, **kwargs)
-
-        self._patcher.replace(graph_class, "capture_begin", capture_begin)
-        self._patcher.replace(graph_class, "capture_end", capture_end)
-        self._patcher.replace(graph_class, "replay", graph_replay)
-

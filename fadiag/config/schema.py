@@ -77,6 +77,7 @@ class StepsConfig:
         "history": _integer(1),
         "fallback_after": _integer(1),
         "max_calls_per_step": _integer(1),
+        "verify_every": _integer(0),
     }
 
     history: int = 256
@@ -87,6 +88,8 @@ class StepsConfig:
     """Record attention calls made under no_grad (evaluation); off: they are not measured."""
     max_calls_per_step: int = 4096
     """Calls beyond this in one step are counted but not measured (bounds memory)."""
+    verify_every: int = 100
+    """Eager SDPA steps that repeat the last verified step's calls run no fadiag Python per call (the tap times them, named by that step's order); every this many steps the wrapper measures and verifies the order. 0: every call through the wrapper."""
 
     def __post_init__(self) -> None:
         _validate(self)

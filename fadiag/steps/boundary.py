@@ -28,7 +28,7 @@ class ClosedStep:
     """A step's calls, handed to the resolver."""
 
     __slots__ = ("index", "calls", "wall_time", "closed", "device", "unmeasured", "cpu_wait",
-                 "tap", "tap_batch")
+                 "tap", "tap_batch", "order", "learn_order")
 
     def __init__(self, index: int, calls: list[Call], device: int | None,
                  unmeasured: dict[str, int] | None = None, tap: Any = None, tap_batch: Any = None):
@@ -47,6 +47,10 @@ class ClosedStep:
         thread's own current device is device 0 (CUDA's current device is per thread)."""
         self.cpu_wait: float | None = None
         """Host-clock steps: the process's share of runnable time spent waiting for a CPU."""
+        self.order: Any = None
+        """A bypassed step's: the EagerOrder (capture/tap.py) its tapped calls are named by."""
+        self.learn_order = False
+        """A step the eager wrapper measured whose order the resolver learns (Tap.learn_order)."""
 
     def drop_tap(self) -> None:
         """The step will not be resolved: the marks of its cut of the tap's records given back."""
@@ -70,7 +74,10 @@ class ClosedStep:
         linked = [c for c in self.calls if c.link]
         if batch is None and not linked:
             return
-        compiled, no_grad, unrecorded = tap.calls(batch, Call, linked)
+        keys = batch.keys() if self.learn_order and batch is not None else None
+        compiled, no_grad, unrecorded = tap.calls(batch, Call, linked, self.order)
+        if keys is not None and not compiled and not no_grad and not unrecorded:
+            tap.learn_order(keys, self.calls, self.index)
         self.calls.extend(compiled)
         self.count("no_grad", no_grad)
         self.count("unrecorded", unrecorded)
@@ -142,6 +149,12 @@ class StepBoundaries:
         self._unmeasured_seen: dict[str, int] = {}
         self._unmeasured_moved = 0
 
+    def _closing(self, batch: Any) -> tuple[Any, bool]:
+        """The open step is closing with the tap's cut `batch`: the EagerOrder its bypassed calls
+        are named by (None: not bypassed), and whether the resolver learns its order. The
+        Recorder's; here neither."""
+        return None, False
+
     def _sampled(self, index: int) -> bool:
         return self.every_n_steps <= 1 or index % self.every_n_steps == 0
 
@@ -182,6 +195,7 @@ class StepBoundaries:
                 self._phases = []
             tap = self.tap
             batch = tap.cut() if tap is not None else None
+            order, learn = self._closing(batch)
             if batch is not None and not self.record_no_grad and not batch.trained():
                 tap.discard(batch, Call)  # evaluation only: counted as no_grad, marks back
                 batch = None
@@ -197,6 +211,7 @@ class StepBoundaries:
             if self.calls or batch is not None or empty_step:
                 closed = ClosedStep(self.step_index, self.calls, self._step_device(),
                                     self._unmeasured_since(), tap, batch)
+                closed.order, closed.learn_order = order, learn
             self.calls = []
             self.calls_since_boundary = 0
             self.sites.new_pass()

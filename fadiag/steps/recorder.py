@@ -31,6 +31,7 @@ from ..capture.graph import (
 )
 from ..capture.ops import mask_key, quick_sdpa
 from .boundary import ClosedStep, StepBoundaries
+from .bypass import Bypass
 
 _CONFIG_EVERY_S = 1.0
 """How often, at most, a step boundary reads dynamo's compiled_autograd config flag: the read
@@ -75,7 +76,7 @@ class Recorder(StepBoundaries):
     """Decides per call whether to measure, measures, and cuts steps."""
 
     def __init__(self, devices: Devices, *, every_n_steps: int = 1, record_no_grad: bool = False,
-                 max_calls_per_step: int = 4096, fallback_after: int = 32,
+                 max_calls_per_step: int = 4096, fallback_after: int = 32, verify_every: int = 0,
                  on_error: Callable[[str, BaseException], None],
                  on_step: Callable[[ClosedStep], None]):
         super().__init__(devices, every_n_steps=every_n_steps, record_no_grad=record_no_grad,
@@ -96,6 +97,8 @@ class Recorder(StepBoundaries):
         self._fast_timer: Any = None
         self._fast_op: AttentionOp | None = None
         self._lock = threading.Lock()
+        self.bypass = Bypass(verify_every, on_error)
+        """Steps whose SDPA calls run no fadiag Python, named by a learned order."""
 
     # ---- lifecycle -------------------------------------------------------------------------
 
@@ -109,6 +112,7 @@ class Recorder(StepBoundaries):
     def stop(self) -> None:
         self.enabled = False
         self.measuring = False
+        self.bypass.set(None)
         if self.tap is not None:  # a forked child keeps the registrations: they pass through
             self.tap.set_measuring(False)
 
@@ -122,6 +126,18 @@ class Recorder(StepBoundaries):
             self._fast = self._fast_timer = self._fast_call = None  # it watches one timer's counter
         if time.monotonic() - self._config_read_at >= _CONFIG_EVERY_S:
             self._read_config()
+        self.bypass.set(self.bypass.next_order(self))
+
+    # ---- bypassed steps (steps/bypass.py) -------------------------------------------------
+
+    def use_builtins(self, ext: Any, builtins: list[Any]) -> None:
+        """SDPA's eager builtins, which bypassed steps run through (Bypass.use)."""
+        self.bypass.use(ext, builtins)
+
+    def _closing(self, batch: Any) -> tuple[Any, bool]:
+        if self.bypass.order is None:
+            return None, self.bypass.learns(self)
+        return self.bypass.closing(self, batch), False
 
     # ---- the wrapper -----------------------------------------------------------------------
 
@@ -268,6 +284,7 @@ class Recorder(StepBoundaries):
             t for t in tap.timers.values() if t not in self.devices.native_timers]
         self.signatures.clear()
         self._fast = self._fast_timer = self._fast_op = self._fast_call = None
+        self.bypass.set(None)
 
     def _remember(self, op: AttentionOp, args: tuple[Any, ...], kwargs: dict[str, Any],
                   sig: Signature, timer: Any) -> None:

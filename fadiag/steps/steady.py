@@ -46,26 +46,28 @@ class SteadySteps:
         self._shape: int | None = None
         self._record_keys: list[int] = []
         self._recompute: list[bool] = []
+        self._order: Any = None
+        """The EagerOrder that named the learned step's bypassed calls (None: not bypassed)."""
         self._linked: list[tuple[str, str, bool]] = []
         """The step's linked calls (the eager wrapper's), in order: impl, site, recomputation."""
         self.counted = 0
         """Steps counted here (cumulative)."""
 
-    def before(self, step: ClosedStep) -> tuple[int, list[int], list[int]] | None:
+    def before(self, step: ClosedStep) -> tuple[int, list[int], list[int], Any] | None:
         """What learning `step`'s shape needs from its cut, read before its records are joined to
-        calls (ClosedStep.take_tap consumes the cut)."""
+        calls (ClosedStep.take_tap consumes the cut), and the order that names its bypassed calls."""
         batch = step.tap_batch
         if batch is None or step.tap is not self.tap:
             return None
-        return batch.shape(), batch.firsts(), batch.link_numbers()
+        return batch.shape(), batch.firsts(), batch.link_numbers(), step.order
 
-    def learn(self, seen: tuple[int, list[int], list[int]] | None, calls: list[Call]) -> None:
+    def learn(self, seen: tuple[int, list[int], list[int], Any] | None, calls: list[Call]) -> None:
         """`calls`, a steady step's calls joined to its records (`seen`: `before`'s): every record
         one call, its key learned. Anything else forgets the shape."""
         self._shape = None
         if seen is None:
             return
-        shape, firsts, links = seen
+        shape, firsts, links, order = seen
         by_first = {c.fwd0: c for c in calls}
         linked = [c for c in calls if c.link]
         if (len(firsts) != len(calls) or len(by_first) != len(calls)
@@ -78,13 +80,15 @@ class SteadySteps:
         self._recompute = [bool(c.recompute) for c in ordered]  # type: ignore[union-attr]
         self._linked = [(c.sig.impl, c.site, bool(c.recompute)) for c in linked]  # type: ignore[union-attr]
         self._shape = shape
+        self._order = order
 
     def count(self, step: ClosedStep, give_up: bool) -> int:
         """Count `step` in C++ if it is shaped as the learned one and its calls are the same:
         1 counted (its cut consumed), 0 a mark the device has not passed, -1 Python's to resolve
         (nothing changed)."""
         batch = step.tap_batch
-        if self._shape is None or batch is None or step.tap is not self.tap or step.unmeasured:
+        if (self._shape is None or batch is None or step.tap is not self.tap or step.unmeasured
+                or step.order is not self._order or (step.order is not None and step.order.broken)):
             return -1
         calls = step.calls
         if len(calls) != len(self._linked):

@@ -49,11 +49,18 @@ class EagerWrapper {
   // `python`: the Python wrapper; `recorder`, `op`: the session's Recorder and the AttentionOp
   // wrapped. All None: unbound (the builtin calls the original).
   void bind(py::object python, py::object recorder, py::object op) {
+    bypass_ = false;
     python_ = std::move(python);
     recorder_ = std::move(recorder);
     op_ = std::move(op);
   }
   bool bound() const { return !recorder_.is_none(); }
+
+  // Steady steps named by their order (Recorder.bypass): every call goes to the original, counted,
+  // and the dispatcher tap times it as it times compiled code's; the resolver names it from the
+  // last verified step. The recorder turns it on and off at step boundaries only.
+  void set_bypass(bool on) { bypass_ = on; }
+  int64_t bypassed() const { return bypassed_; }
 
   static PyObject* entry(PyObject* self, PyObject* args, PyObject* kwargs) {
     auto* w = static_cast<EagerWrapper*>(PyCapsule_GetPointer(self, kCapsule));
@@ -63,6 +70,10 @@ class EagerWrapper {
  private:
   PyObject* call(PyObject* args, PyObject* kwargs) {
     if (recorder_.is_none() || compiling()) return PyObject_Call(original_.ptr(), args, kwargs);
+    if (bypass_) {
+      ++bypassed_;  // under the GIL, as the recorder reads it
+      return PyObject_Call(original_.ptr(), args, kwargs);
+    }
     // Held for the call: a detach on another thread may unbind this builtin while it runs.
     const py::object held_recorder = recorder_, held_python = python_, held_op = op_;
     py::object fast;
@@ -178,6 +189,8 @@ class EagerWrapper {
     return v == want;
   }
 
+  bool bypass_ = false;
+  int64_t bypassed_ = 0;
   py::object original_, compiler_;
   py::object python_ = py::none(), recorder_ = py::none(), op_ = py::none();
   std::string name_, doc_;
@@ -221,6 +234,8 @@ void bind_eager(py::module_& m) {
   });
   m.def("eager_bound", [](py::handle fn) { return wrapper_of(fn)->bound(); });
   m.def("eager_original", [](py::handle fn) { return wrapper_of(fn)->original(); });
+  m.def("eager_bypass", [](py::handle fn, bool on) { wrapper_of(fn)->set_bypass(on); });
+  m.def("eager_bypassed", [](py::handle fn) { return wrapper_of(fn)->bypassed(); });
 }
 
 #else

@@ -215,6 +215,24 @@ class TapState {
     return out;
   }
 
+  // What names a call's record apart from its marks, for every record in order: (link, pass,
+  // recomputation, (op, shape, head dim of v, kv heads, dtype, device type, causal, dropout)). The
+  // eager steps the resolver learns an order from, and the bypassed steps it names by that order
+  // (fadiag/capture/tap.py, EagerOrder).
+  static py::list keys(const std::vector<Record>& records) {
+    py::list out;
+    for (const Record& r : records) {
+      py::object dtype = py::reinterpret_borrow<py::object>(
+          reinterpret_cast<PyObject*>(torch::getTHPDtype(r.dtype)));
+      out.append(py::make_tuple(
+          r.link, r.phase, r.recompute,
+          py::make_tuple(r.op, py::make_tuple(r.b, r.h, r.sq, r.sk, r.d), r.dv, r.kv_heads, dtype,
+                         c10::DeviceTypeName(r.device_type, /*lower_case=*/true), r.causal,
+                         r.dropout)));
+    }
+    return out;
+  }
+
   // The wrapper's records (linked) as what its calls need of them: (link, forward start, forward
   // end, backward start, backward end, cuda, graph_backward), a backward mark None where none
   // was taken. The wrapper knows the rest (Tap.calls).
@@ -943,6 +961,13 @@ void bind_tap(py::module_& m) {
            })
       .def("rows", [](const Batch& b) { return TapState::rows(b.records); })
       .def("links", [](const Batch& b) { return TapState::links(b.records); })
+      .def("keys", [](const Batch& b) { return TapState::keys(b.records); })
+      .def("unlinked",
+           [](const Batch& b) {
+             int64_t n = 0;
+             for (const Record& r : b.records) n += r.link == 0 ? 1 : 0;
+             return n;
+           })
       .def("shape", [](const Batch& b) { return static_cast<int64_t>(shape_of(b)); })
       // Each record's forward start mark, in order (to join records to the calls they became).
       .def("firsts",

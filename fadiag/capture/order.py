@@ -1,0 +1,90 @@
+"""Eager steps named by their order: what a bypassed step's tapped calls are called.
+
+A training step's eager attention calls repeat step after step: the same sites, in the same order,
+with the same ops and shapes. Once the wrapper has measured such a step (every call linked to the
+dispatcher tap's record), later steps are *bypassed*: SDPA's eager builtin counts each call and
+calls the original, the tap times it as it times compiled code's, and the resolver names the n-th
+forward of each pass (a recomputation: the forward it replays) by the n-th call of the learned
+order. Every `steps.verify_every`-th step the wrapper measures again, and the order is checked.
+
+Example::
+
+    order = learn(batch.keys(), step.calls, step.index, tap.order)  # resolver, a wrapper's step
+    site, sig = name(order, n, key)                                  # resolver, a bypassed step
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .calls import Signature
+
+SITE = "eager"
+"""A bypassed call no order names: `eager#n` is the n-th forward of its pass."""
+
+Entry = tuple[Any, str, Signature]
+"""A call of the order: its record key (tap.cpp's `keys()`), site and signature."""
+
+
+class EagerOrder:
+    """The attention calls of one pass of a step the wrapper measured, in forward order."""
+
+    __slots__ = ("entries", "step", "broken")
+
+    def __init__(self, entries: tuple[Entry, ...], step: int):
+        self.entries = entries
+        self.step = step
+        """The step it was learned (or last verified) from."""
+        self.broken = False
+        """A bypassed step did not match it (set by the resolver; the recorder stops bypassing)."""
+
+    def same(self, other: EagerOrder) -> bool:
+        return len(self.entries) == len(other.entries) and all(
+            a[0] == b[0] and a[1] == b[1] and a[2] is b[2]
+            for a, b in zip(self.entries, other.entries, strict=True))
+
+
+def same_layer(a: tuple[Any, ...], b: tuple[Any, ...]) -> bool:
+    """Whether two record keys (op, (B, H, Sq, Sk, D), Dv, kv heads, dtype, device, causal,
+    dropout) can be one call site's: all alike but the batch size and sequence lengths, which the
+    data decides (variable-length batches)."""
+    return a[0] == b[0] and a[1][1] == b[1][1] and a[1][4] == b[1][4] and a[2:] == b[2:]
+
+
+def name(order: EagerOrder, n: int, key: tuple[Any, ...]) -> tuple[str, Signature | None]:
+    """The site of a bypassed step's n-th forward of its pass (with record key `key`) and the
+    order's signature for it, where it is that call's: its key the same (a changed batch size or
+    sequence length: the site, and None for a signature of its own). Any other call is
+    `eager#n`, and the order is broken."""
+    entries = order.entries
+    entry = entries[n] if n < len(entries) else None
+    if entry is None or not same_layer(entry[0], key):
+        order.broken = True
+        return f"{SITE}#{n}", None
+    return entry[1], entry[2] if entry[0] == key else None
+
+
+def learn(keys: list[Any], calls: list[Any], step: int,
+          old: EagerOrder | None) -> EagerOrder | None:
+    """The order of a step the wrapper measured (`keys`: its cut's `keys()`, read before the cut
+    was consumed; `calls`: the step's calls, joined to their records), where every record is a
+    linked call of the wrapper's, measured, and every pass of the step is alike; else None.
+    `old`, where the step repeats it, verified at `step`."""
+    by_link = {c.link: c for c in calls if c.link}
+    if not keys or len(by_link) != len(calls):
+        return None  # calls measured in Python (no fused op ran), or none
+    passes: dict[int, list[Entry]] = {}
+    for link, phase, recompute, key in keys:
+        c = by_link.get(link)
+        if c is None or c.sig is None or c.aborted or c.probe or c.fwd0 is None:
+            return None  # compiled code's record, or a call not measured
+        if not recompute:
+            passes.setdefault(phase, []).append((key, c.site, c.sig))
+    orders = [tuple(p) for p in passes.values()]
+    if not orders or any(o != orders[0] for o in orders):
+        return None
+    new = EagerOrder(orders[0], step)
+    if old is not None and not old.broken and old.same(new):
+        old.step = max(old.step, step)
+        return old
+    return new

@@ -1,0 +1,139 @@
+"""Bypassed eager steps: SDPA's calls run no fadiag Python, named by a learned order.
+
+Inside a launch-bound training step, what the eager wrapper does per call (its checks, the call's
+record, its site) costs several times what it does in a loop (BENCHMARKS.md, runs 97-114), and
+the dispatcher tap can time every call without it. So once the resolver has learned the order of
+a step the wrapper measured (capture/order.py), the recorder bypasses later steps: SDPA's eager
+builtin counts each call and calls the original; the tap times it; the resolver names it by its
+place in the order. Only steps an optimizer (or fadiag.step()) ends are bypassed, never every
+`steps.verify_every`-th one, which the wrapper measures so that the order is checked. A bypassed
+step whose calls and the tap's records differ in number (a call with no fused op: SDPA's math
+path; compiled code beside the eager calls) or whose records do not match the order is named
+`eager#n`, and the wrapper measures until a new order is learned.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from ..capture.order import EagerOrder
+
+log = logging.getLogger("fadiag")
+
+MISSES = 3
+"""Bypassed steps that did not match their order, close together, before bypassing ends."""
+
+
+class Bypass:
+    """The recorder's bypassing: SDPA's builtins, their call counts, and the order in use."""
+
+    def __init__(self, verify_every: int, on_error: Any):
+        self.verify_every = verify_every
+        """steps.verify_every: every this many steps one the wrapper measures (0: none bypassed)."""
+        self.order: EagerOrder | None = None
+        """The order the open step is bypassed with (None: the wrapper measures it)."""
+        self.steps = 0
+        """Steps bypassed (cumulative)."""
+        self._on_error = on_error
+        self._ext: Any = None
+        self._builtins: list[Any] = []
+        self._seen = 0  # the builtins' calls counted when the open step began
+        self._captured = 0  # the tap's captured calls, when bypassing began or last looked
+        self._tap: Any = None
+        self._after = 0  # step index before which no learned order is used (the last miss)
+        self._misses = 0
+        self._since_miss = 0
+
+    def use(self, ext: Any, builtins: list[Any]) -> None:
+        """SDPA's eager builtins (capture/eager.py): set where they replace the Python wrapper,
+        cleared where they stop serving."""
+        self.set(None)
+        self._ext, self._builtins = ext, list(builtins)
+
+    def next_order(self, rec: Any) -> EagerOrder | None:
+        """The order the recorder's next step is bypassed with, or None."""
+        tap = self._tap = rec.tap
+        order = tap.order if tap is not None else None
+        if (order is None or order.broken or order.step < self._after or not self._builtins
+                or self.verify_every <= 0 or not rec.measuring or not rec.optimizer_seen
+                or rec.fallback_mode or rec.python_hooks or rec.compiled_autograd_configured
+                or rec.pending is not None or rec.step_index % self.verify_every == 0):
+            return None
+        return order
+
+    def set(self, order: EagerOrder | None) -> None:
+        """Bypass the open step with `order`, or stop (None)."""
+        was, self.order = self.order, order
+        if (was is None) == (order is None):
+            return
+        try:
+            if order is not None:
+                self._seen = self._calls()
+                self._captured = self._tap_captured()
+            for fn in self._builtins:
+                self._ext.eager_bypass(fn, order is not None)
+        except Exception as e:
+            self.order = None
+            self._on_error("recorder.bypass", e)
+
+    def learns(self, rec: Any) -> bool:
+        """Whether the resolver learns the order of the closing step, which the wrapper measured:
+        no order in use, or a step that verifies it."""
+        tap = rec.tap
+        if not self._builtins or self.verify_every <= 0 or tap is None:
+            return False
+        order = tap.order
+        return (order is None or order.broken or order.step < self._after
+                or rec.step_index % self.verify_every == 0)
+
+    def closing(self, rec: Any, batch: Any) -> EagerOrder | None:
+        """The bypassed step closing with the tap's cut `batch`: its calls counted into the
+        recorder's, and the order that names them (an empty one where they cannot be named)."""
+        order = self.order
+        assert order is not None
+        try:
+            total = self._calls()
+        except Exception as e:
+            self._on_error("recorder.bypass", e)
+            return order
+        calls, self._seen = total - self._seen, total
+        rec.calls_since_boundary += calls
+        recorded = batch.unlinked() if batch is not None else 0
+        if calls or recorded:  # else a boundary with nothing in the step (a flush)
+            self.steps += 1
+            self._since_miss += 1
+        if calls != recorded or rec.calls:
+            # Calls no fused op served (the math path: the tap saw none), calls a CUDA graph
+            # captured (the tap counts their replays), records of compiled code beside them, or
+            # calls through the Python wrapper: the records cannot be matched to the order by
+            # place, and none is named by it.
+            captured, self._captured = self._tap_captured() - self._captured, self._tap_captured()
+            untapped = calls - recorded - captured
+            if untapped > 0:
+                rec.unmeasured["untapped"] = rec.unmeasured.get("untapped", 0) + untapped
+            self._missed(rec.step_index)
+            return EagerOrder((), rec.step_index)
+        if order.broken:
+            self._missed(rec.step_index)
+        return order
+
+    def _tap_captured(self) -> int:
+        return int(self._tap.captured()) if self._tap is not None else 0
+
+    def _calls(self) -> int:
+        """Calls SDPA's builtins passed to the original while bypassing (cumulative)."""
+        return sum(self._ext.eager_bypassed(fn) for fn in self._builtins)
+
+    def _missed(self, step: int) -> None:
+        """A bypassed step did not match its order: the wrapper measures until a new one is
+        learned; a third miss with fewer than verify_every bypassed steps since the one before
+        ends bypassing for the process (a step whose calls change from step to step)."""
+        self._after = step + 1
+        self._misses = self._misses + 1 if self._since_miss <= self.verify_every else 1
+        self._since_miss = 0
+        if self._misses >= MISSES:
+            self.verify_every = 0
+            log.info("fadiag: eager attention calls did not repeat in the same order from step to "
+                     "step (%d times); every call is measured through the wrapper from step %d",
+                     MISSES, step)
