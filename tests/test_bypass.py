@@ -66,9 +66,9 @@ def test_steady_steps_are_bypassed_and_report_as_the_wrapper_measures_them():
     s = _attach(verify_every=5)
     losses = _steps(s, model, 20)
     assert losses == plain  # bit-identical: a bypassed call is the original's
-    # Step 1 learns the signature (probe), step 2 the order, which steps from 4 on follow, except
-    # every fifth, which the wrapper measures (4, 6-9, 11-14, 16-19).
-    assert s.recorder.bypass.steps == 13
+    # Step 1 learns the signature (probe), step 2 the order, which steps from 4 on follow: four
+    # bypassed, then one the wrapper measures (4-7, 9-12, 14-17, 19-20; 8, 13 and 18 check).
+    assert s.recorder.bypass.steps == 14
     reports = s.history()
     assert len(reports) == 20 and _steps_total(s) == 20
     wrapper = reports[2]  # step 3: the wrapper's, linked calls
@@ -120,9 +120,9 @@ def test_micro_batches_and_recomputation_are_named_as_the_wrapper_names_them(che
     _steps(s, model, 12, micro_batches=2)
     # A reentrant checkpoint runs its first forward without grad: the wrapper measures those
     # calls itself (no fused op timed by the tap), so no order is learned and none is bypassed.
-    assert s.recorder.bypass.steps == (0 if checkpointing == "reentrant" else 7)
+    assert s.recorder.bypass.steps == (0 if checkpointing == "reentrant" else 8)  # 4-8, 10-12
     reports = s.history()
-    wrapper = reports[5]  # step 6: measured by the wrapper (6 % 6 == 0)
+    wrapper = reports[2]  # step 3: measured by the wrapper, its calls linked
     recomputed = 2 * LAYERS if checkpointing else 0
     assert len(wrapper.calls) == 2 * LAYERS + recomputed
     assert sum(c.recompute for c in wrapper.calls) == recomputed
@@ -207,3 +207,17 @@ def test_detach_stops_bypassing_and_the_builtin_calls_the_original():
         q = torch.randn(1, 2, 16, 8)
         assert torch.equal(F.scaled_dot_product_attention(q, q, q),
                            torch._C._nn.scaled_dot_product_attention(q, q, q))
+
+
+def test_with_sampling_only_measured_steps_are_bypassed_and_some_are_still_checked():
+    torch.manual_seed(0)
+    model = GPT(layers=LAYERS, dim=DIM, heads=HEADS)
+    s = _attach(verify_every=3, every_n_steps=2)
+    _steps(s, model, 24)
+    reports = s.history()
+    assert [r.step for r in reports] == list(range(2, 25, 2))  # the measured steps
+    # Step 2 learns the signature, step 4 the order: 6, 8, 12, 14, 18, 20 and 24 are bypassed;
+    # 10, 16 and 22 the wrapper measures (two of three measured steps in a row bypassed).
+    assert s.recorder.bypass.steps == 7
+    assert all(_call_rows(r) == _call_rows(reports[1]) for r in reports[1:])
+    assert s.recorder.unmeasured_totals()["sampling"] == 12 * LAYERS

@@ -89,7 +89,7 @@ class StepsConfig:
     max_calls_per_step: int = 4096
     """Calls beyond this in one step are counted but not measured (bounds memory)."""
     verify_every: int = 100
-    """Eager SDPA steps that repeat the last verified step's calls run no fadiag Python per call (the tap times them, named by that step's order); every this many steps the wrapper measures and verifies the order. 0: every call through the wrapper."""
+    """Eager SDPA steps that repeat the calls of a step the wrapper measured run no fadiag Python per call (the tap times them, named by that step's order); of this many measured steps in a row, one is the wrapper's, which checks the order. 0: every call through the wrapper."""
 
     def __post_init__(self) -> None:
         _validate(self)

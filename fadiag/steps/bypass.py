@@ -5,8 +5,9 @@ record, its site) costs several times what it does in a loop (BENCHMARKS.md, run
 the dispatcher tap can time every call without it. So once the resolver has learned the order of
 a step the wrapper measured (capture/order.py), the recorder bypasses later steps: SDPA's eager
 builtin counts each call and calls the original; the tap times it; the resolver names it by its
-place in the order. Only steps an optimizer (or fadiag.step()) ends are bypassed, never every
-`steps.verify_every`-th one, which the wrapper measures so that the order is checked. A bypassed
+place in the order. Only measured steps an optimizer (or fadiag.step()) ends are bypassed, and
+after every `steps.verify_every - 1` of them the wrapper measures one, so that the order is
+checked. A bypassed
 step whose calls and the tap's records differ in number (a call with no fused op: SDPA's math
 path; compiled code beside the eager calls) or whose records do not match the order is named
 `eager#n`, and the wrapper measures until a new order is learned.
@@ -30,7 +31,8 @@ class Bypass:
 
     def __init__(self, verify_every: int, on_error: Any):
         self.verify_every = verify_every
-        """steps.verify_every: every this many steps one the wrapper measures (0: none bypassed)."""
+        """steps.verify_every: of this many steps in a row, one is the wrapper's (0 or 1: none
+        bypassed)."""
         self.order: EagerOrder | None = None
         """The order the open step is bypassed with (None: the wrapper measures it)."""
         self.steps = 0
@@ -44,6 +46,8 @@ class Bypass:
         self._after = 0  # step index before which no learned order is used (the last miss)
         self._misses = 0
         self._since_miss = 0
+        self._in_row = 0  # steps bypassed since the last the wrapper measured
+        self._verify = False  # the open step is the wrapper's, to check the order
 
     def use(self, ext: Any, builtins: list[Any]) -> None:
         """SDPA's eager builtins (capture/eager.py): set where they replace the Python wrapper,
@@ -58,8 +62,12 @@ class Bypass:
         if (order is None or order.broken or order.step < self._after or not self._builtins
                 or self.verify_every <= 0 or not rec.measuring or not rec.optimizer_seen
                 or rec.fallback_mode or rec.python_hooks or rec.compiled_autograd_configured
-                or rec.pending is not None or rec.step_index % self.verify_every == 0):
+                or rec.pending is not None):
             return None
+        if self._in_row >= self.verify_every - 1:  # this one the wrapper measures: a check
+            self._in_row, self._verify = 0, True
+            return None
+        self._in_row += 1
         return order
 
     def set(self, order: EagerOrder | None) -> None:
@@ -83,9 +91,8 @@ class Bypass:
         tap = rec.tap
         if not self._builtins or self.verify_every <= 0 or tap is None:
             return False
-        order = tap.order
-        return (order is None or order.broken or order.step < self._after
-                or rec.step_index % self.verify_every == 0)
+        order, verify, self._verify = tap.order, self._verify, False
+        return order is None or order.broken or order.step < self._after or verify
 
     def closing(self, rec: Any, batch: Any) -> EagerOrder | None:
         """The bypassed step closing with the tap's cut `batch`: its calls counted into the
