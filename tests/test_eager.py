@@ -62,7 +62,9 @@ def test_the_builtin_is_made_once_and_reused_across_attach_detach_cycles():
 
 
 def test_a_steady_eager_call_runs_no_python_frame():
-    s = fadiag.attach(port=0, tap="on", native="on")
+    # The wrapper's steady call, linked to the tap's record; a bypassed step's calls run none
+    # either (tests/test_bypass.py), and make no record of the wrapper's: verify_every 0.
+    s = fadiag.attach(port=0, tap="on", native="on", **{"steps.verify_every": 0})
     model = GPT(layers=3)
     train(model, steps=3)  # learned and linked on native marks: the steady state
     frames: list[str] = []

@@ -436,7 +436,10 @@ def test_counted_steps_time_every_call_and_give_every_mark_back(marks, compiled)
         1 for r in reported for c in r.calls if c.backward_seconds > 0)
     assert value("fadiag_attention_forward_seconds_sum", labels) > 0
     if marks == "tap":  # every steady step after the one its shape was learned from: in C++
-        assert session.resolver._steady.counted >= counted - 1
+        # (bypassed steps, whose records are not linked to the wrapper's calls, are a second
+        # shape: the first of them is resolved in Python too)
+        shapes = 2 if session.recorder.bypass.steps else 1
+        assert session.resolver._steady.counted >= counted - shapes
     assert session.devices.timer("cuda").marks_in_use() == 0
     assert session.errors == 0
 

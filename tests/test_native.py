@@ -810,7 +810,8 @@ def test_the_fast_path_starts_calls_exactly_as_python_does(ext, monkeypatch):
 def test_the_fast_path_makes_each_call_as_init_would_without_running_it(ext, monkeypatch):
     from fadiag.capture.calls import Call
 
-    s = fadiag.attach(port=0, native="on", tap="on")
+    # The wrapper's steady call, not a bypassed step's (tests/test_bypass.py): verify_every 0.
+    s = fadiag.attach(port=0, native="on", tap="on", **{"steps.verify_every": 0})
     model = GPT(layers=4)
     train(model, steps=3)  # the signature learned, the tap serving it: later calls are linked
     made_by_init: set[int] = set()
