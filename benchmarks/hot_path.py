@@ -3,9 +3,10 @@
 SDPA calls on tiny inputs, a step every 6 calls: forward only, with one backward a step over its
 6 outputs (as a model's step), and with one backward a call (each call after a step's first then
 starts a new phase, which Python's path serves); steps closed but never resolved (the resolver's
-share is `overhead.py`'s fadiag vs fadiag_no_report). Three whole-call figures
+share is `overhead.py`'s fadiag vs fadiag_no_report). Whole-call figures
 (plain; the floor: a Python wrapper with one C++ mark before the op and one C++ `finish` after it;
-fadiag, its learned calls timed by the dispatcher tap; fadiag with the wrapper's own marks), the
+fadiag, its learned calls timed by the dispatcher tap; fadiag_bypassed, steps bypassed (no fadiag
+code per call: steps/bypass.py); fadiag with the wrapper's own marks), the
 Python and C calls fadiag makes per measured call, each piece of Python's path
 timed alone (best of 5), and `Recorder.begin` whole as the steady state runs it (the C++ fast
 path where it is built). Native marks are used on every device kind. Usage:
@@ -36,8 +37,17 @@ from fadiag.capture.ops import OPS  # noqa: E402
 from fadiag.steps import recorder  # noqa: E402
 
 
-def attach(native_setting: str, every_n_steps: int = 1, tap: str = "on"):
-    session = fadiag.attach(port=0, native=native_setting, every_n_steps=every_n_steps, tap=tap)
+def attach(native_setting: str, every_n_steps: int = 1, tap: str = "on",
+           bypassed: bool | str = False, device: str = "cpu"):
+    session = fadiag.attach(port=0, native=native_setting, every_n_steps=every_n_steps, tap=tap,
+                            **{"steps.verify_every": 10**9 if bypassed is not False else 0})
+    if bypassed is not False:
+        # Steps bypassed (steps/bypass.py): three steps resolved, so that the order is learned,
+        # before the resolver stops resolving.
+        q = torch.randn(1, 1, 16, 16, device=device, requires_grad=True)
+        for _ in range(3):
+            per_call_us(q, 6, bypassed)
+            assert session.flush(10)
     # Closed steps are never resolved; their marks go back to the pool at once (on the
     # training thread, so that cost is in the figures) and no step makes new events.
     session.resolver.submit = release_marks
@@ -108,17 +118,21 @@ def main() -> None:
     original, floor = floor_wrapper(ext.Marks(kind == "cuda"))
     # fadiag: learned calls timed by the tap; fadiag_wrapper: the wrapper's C++ marks and hooks
     # (no tap); fadiag_unsampled: every call on a step that sampling skips (the early way out).
-    variants = ("plain", "floor", "fadiag", "fadiag_wrapper", "fadiag_python", "fadiag_unsampled")
+    variants = ("plain", "floor", "fadiag", "fadiag_bypassed", "fadiag_wrapper", "fadiag_python",
+                "fadiag_unsampled")
     whole: dict[tuple[str, bool | str], list[float]] = collections.defaultdict(list)
     for _ in range(args.repeats):
         for backward in MODES:
             for v in variants:
                 if v == "floor":
                     F.scaled_dot_product_attention = floor
+                elif v == "fadiag_bypassed" and backward is False:
+                    continue  # a forward with no backward is no training step's: not bypassed
                 elif v != "plain":
                     attach("off" if v == "fadiag_python" else "on",
                            10**9 if v == "fadiag_unsampled" else 1,
-                           "off" if v in ("fadiag_wrapper", "fadiag_python") else "on")
+                           "off" if v in ("fadiag_wrapper", "fadiag_python") else "on",
+                           backward if v == "fadiag_bypassed" else False, kind)
                 per_call_us(q, 60, backward)
                 whole[v, backward].append(per_call_us(q, args.calls, backward))
                 F.scaled_dot_product_attention = original
@@ -134,6 +148,8 @@ def main() -> None:
         plain = statistics.median(whole["plain", backward])
         print(f"{label}:")
         for v in variants:
+            if not whole[v, backward]:
+                continue
             m = statistics.median(whole[v, backward])
             print(f"  {v:16s} {m:7.2f} us/call  (+{m - plain:.2f} us)")
     print(f"fadiag per measured call: {py:.0f} Python calls, {c:.0f} C calls")
