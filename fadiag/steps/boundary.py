@@ -48,7 +48,7 @@ class ClosedStep:
         self.cpu_wait: float | None = None
         """Host-clock steps: the process's share of runnable time spent waiting for a CPU."""
         self.order: Any = None
-        """A bypassed step's: the EagerOrder (capture/tap.py) its tapped calls are named by."""
+        """A bypassed step's: the EagerOrder (capture/order.py) its tapped calls are named by."""
         self.learn_order = False
         """A step the eager wrapper measured whose order the resolver learns (Tap.learn_order)."""
 
