@@ -64,20 +64,22 @@ def name(order: EagerOrder, n: int, key: tuple[Any, ...]) -> tuple[str, Signatur
     return entry[1], entry[2] if entry[0] == key else None
 
 
-def learn(keys: list[Any], calls: list[Any], step: int,
-          old: EagerOrder | None) -> EagerOrder | None:
+def learn(keys: list[Any], calls: list[Any], step: int, old: EagerOrder | None,
+          op: str = "sdpa") -> EagerOrder | None:
     """The order of a step the wrapper measured (`keys`: its cut's `keys()`, read before the cut
     was consumed; `calls`: the step's calls, joined to their records), where every record is a
-    linked call of the wrapper's, measured, and every pass of the step is alike; else None.
-    `old`, where the step repeats it, verified at `step`."""
+    linked call of the wrapper of `op` (the one a bypassed step's builtin serves), measured, and
+    every pass of the step is alike; else None. `old`, where the step repeats it, verified at
+    `step`."""
     by_link = {c.link: c for c in calls if c.link}
     if not keys or len(by_link) != len(calls):
         return None  # calls measured in Python (no fused op ran), or none
     passes: dict[int, list[Entry]] = {}
     for link, phase, recompute, key in keys:
         c = by_link.get(link)
-        if c is None or c.sig is None or c.aborted or c.probe or c.fwd0 is None:
-            return None  # compiled code's record, or a call not measured
+        if (c is None or c.sig is None or c.aborted or c.probe or c.fwd0 is None
+                or c.sig.op.name != op):
+            return None  # compiled code's record, a call not measured, another op's call
         if not recompute:
             passes.setdefault(phase, []).append((key, c.site, c.sig))
     orders = [tuple(p) for p in passes.values()]

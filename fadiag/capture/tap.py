@@ -207,7 +207,7 @@ class Tap:
         found = specs()
         self.how = dict(zip((s["name"] for s in found), self._tap.install(found), strict=True))
         self.ops = sorted(self.how)
-        watch_cuda_graphs(self, self._patcher, lambda: self._tap.counts()["captured"])
+        watch_cuda_graphs(self, self._patcher, self.captured)
         log.info("fadiag: dispatcher tap on %d attention ops (%s)", len(self.ops),
                  ", ".join(f"{op.split('::')[1]} ({self.how[op]})" for op in self.ops))
 
