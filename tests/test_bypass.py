@@ -221,3 +221,51 @@ def test_with_sampling_only_measured_steps_are_bypassed_and_some_are_still_check
     assert s.recorder.bypass.steps == 7
     assert all(_call_rows(r) == _call_rows(reports[1]) for r in reports[1:])
     assert s.recorder.unmeasured_totals()["sampling"] == 12 * LAYERS
+
+
+class _TwoSites(torch.nn.Module):
+    """Two attention call sites of one shape, called in either order (`swapped`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = torch.nn.Linear(32, 32)
+        self.swapped = False
+
+    def first(self, x):
+        return F.scaled_dot_product_attention(x, x, x, is_causal=True)  # site A
+
+    def second(self, x):
+        return F.scaled_dot_product_attention(x, x, x, is_causal=True)  # site B
+
+    def forward(self, x):
+        x = self.proj(x).view(2, 2, 32, 16)
+        calls = (self.second, self.first) if self.swapped else (self.first, self.second)
+        for call in calls:
+            x = call(x)
+        return x
+
+
+def test_a_verifying_step_learns_a_new_order_that_later_bypassed_steps_follow():
+    torch.manual_seed(0)
+    model = _TwoSites()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    s = _attach(verify_every=4)
+
+    def step():
+        model(torch.randn(2, 32, 32)).sum().backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        assert s.flush(10)
+
+    for _ in range(8):
+        step()
+    first_order = [c.site for c in s.history()[-1].calls]
+    assert s.recorder.bypass.steps > 0
+    model.swapped = True  # the same shapes: only a step the wrapper measures can tell
+    for _ in range(8):
+        step()
+    # Within four steps a step the wrapper measured learned the new order; the last steps,
+    # bypassed, follow it.
+    assert [c.site for c in s.history()[-1].calls] == first_order[::-1]
+    assert s.recorder.bypass.order is not None and s.recorder.bypass.order.entries[0][1] == (
+        first_order[1])

@@ -59,6 +59,7 @@ class Bypass:
         """The order the recorder's next step is bypassed with, or None."""
         tap = self._tap = rec.tap
         order = tap.order if tap is not None else None
+        self._verify = False
         if (order is None or order.broken or order.step < self._after or not self._builtins
                 or self.verify_every <= 0 or not rec.measuring or not rec.optimizer_seen
                 or rec.fallback_mode or rec.python_hooks or rec.compiled_autograd_configured
@@ -91,8 +92,8 @@ class Bypass:
         tap = rec.tap
         if not self._builtins or self.verify_every <= 0 or tap is None:
             return False
-        order, verify, self._verify = tap.order, self._verify, False
-        return order is None or order.broken or order.step < self._after or verify
+        order = tap.order
+        return order is None or order.broken or order.step < self._after or self._verify
 
     def closing(self, rec: Any, batch: Any) -> EagerOrder | None:
         """The bypassed step closing with the tap's cut `batch`: its calls counted into the
