@@ -538,8 +538,10 @@ def overview() -> dict:
             "eager call captured into one, without the dispatcher tap), graph_capture_backward "
             "(a measured forward whose backward was captured into one), flex_compiled and "
             "flex_compiled_backward (flex_attention inside a compiled graph, per graph run), "
-            "compiling, no_grad (evaluation forwards), unpaired_backward, unreadable and "
-            "unrecorded (the dispatcher tap's exceptions). Normally 0 or only the configured "
+            "compiling, no_grad (evaluation forwards), untapped (calls of a bypassed eager "
+            "step that no fused op served, such as SDPA's math path), unpaired_backward, "
+            "unreadable and unrecorded (the dispatcher tap's exceptions). Normally 0 or only the "
+            "configured "
             "sampling; compiled models whose graphs replay under CUDA graphs show cuda_graph.",
             [
                 target(
