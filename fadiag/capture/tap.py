@@ -286,9 +286,9 @@ class Tap:
         out = self._compiled(compiled, call_class, by_order)
         return out, self.no_grad - before, missing
 
-    def learn_order(self, keys: list[Any], calls: list[Any], step: int) -> None:
+    def learn_order(self, rows: list[Any], calls: list[Any], step: int) -> None:
         """The order of a step the wrapper measured, learned or verified (capture/order.py)."""
-        learned = orders.learn(keys, calls, step, self.order)
+        learned = orders.learn(rows, calls, step, self.order)
         if learned is not None:
             self.order = learned
 
@@ -364,8 +364,7 @@ class Tap:
                 continue
             site, sig = f"{SITE}#{n}", None
             if by_order is not None:
-                site, sig = orders.name(by_order, n, (op_i, shape, dv, kvh, dtype, device, causal,
-                                                  dropout))
+                site, sig = orders.name(by_order, n, orders.key(r))
             if kept is None:
                 kept = kept_by_site.get((phase, n))
             key = (op_i, shape, dv, kvh, dtype, device, causal, dropout, kept, b0 is None)

@@ -74,11 +74,12 @@ class ClosedStep:
         linked = [c for c in self.calls if c.link]
         if batch is None and not linked:
             return
-        keys = (batch.keys() if self.learn_order and batch is not None and linked
+        # Every call linked and every record a linked one: the step's order can be learned.
+        rows = (batch.rows(linked=True) if self.learn_order and batch is not None and linked
                 and len(linked) == len(self.calls) and not batch.unlinked() else None)
         compiled, no_grad, unrecorded = tap.calls(batch, Call, linked, self.order)
-        if keys is not None and not compiled and not no_grad and not unrecorded:
-            tap.learn_order(keys, self.calls, self.index)
+        if rows is not None and not unrecorded:
+            tap.learn_order(rows, self.calls, self.index)
         self.calls.extend(compiled)
         self.count("no_grad", no_grad)
         self.count("unrecorded", unrecorded)

@@ -60,7 +60,7 @@ class Bypass:
         tap = self._tap = rec.tap
         order = tap.order if tap is not None else None
         self._verify = False
-        if (order is None or order.broken or order.step < self._after or not self._builtins
+        if (not self._usable(order) or not self._builtins
                 or self.verify_every <= 0 or not rec.measuring or not rec.optimizer_seen
                 or rec.fallback_mode or rec.python_hooks or rec.compiled_autograd_configured
                 or rec.pending is not None):
@@ -92,8 +92,7 @@ class Bypass:
         tap = rec.tap
         if not self._builtins or self.verify_every <= 0 or tap is None:
             return False
-        order = tap.order
-        return order is None or order.broken or order.step < self._after or self._verify
+        return self._verify or not self._usable(tap.order)
 
     def closing(self, rec: Any, batch: Any) -> EagerOrder | None:
         """The bypassed step closing with the tap's cut `batch`: its calls counted into the
@@ -116,8 +115,9 @@ class Bypass:
             # captured (the tap counts their replays), records of compiled code beside them, or
             # calls through the Python wrapper: the records cannot be matched to the order by
             # place, and none is named by it.
-            captured, self._captured = self._tap_captured() - self._captured, self._tap_captured()
-            untapped = calls - recorded - captured
+            captured = self._tap_captured()
+            untapped = calls - recorded - (captured - self._captured)
+            self._captured = captured
             if untapped > 0:
                 rec.unmeasured["untapped"] = rec.unmeasured.get("untapped", 0) + untapped
             self._missed(rec.step_index)
@@ -125,6 +125,10 @@ class Bypass:
         if order.broken:
             self._missed(rec.step_index)
         return order
+
+    def _usable(self, order: EagerOrder | None) -> bool:
+        """Whether `order` may name bypassed steps: learned, unbroken, since the last miss."""
+        return order is not None and not order.broken and order.step >= self._after
 
     def _tap_captured(self) -> int:
         return int(self._tap.captured()) if self._tap is not None else 0

@@ -195,12 +195,13 @@ class TapState {
     records.clear();
   }
 
-  // Compiled code's records (no link) as tuples (see Tap._compiled in fadiag/capture/tap.py),
-  // on the resolver thread.
-  static py::list rows(const std::vector<Record>& records) {
+  // Compiled code's records (no link; `linked`: every record) as tuples (see Tap._compiled in
+  // fadiag/capture/tap.py, and capture/order.py, which learns an order from a step's linked
+  // ones), on the resolver thread.
+  static py::list rows(const std::vector<Record>& records, bool linked) {
     py::list out;
     for (const Record& r : records) {
-      if (r.link != 0) continue;
+      if (r.link != 0 && !linked) continue;
       py::object dtype = py::reinterpret_borrow<py::object>(
           reinterpret_cast<PyObject*>(torch::getTHPDtype(r.dtype)));
       out.append(py::make_tuple(
@@ -211,24 +212,6 @@ class TapState {
           r.dropout, r.scale, r.recompute, r.phase,
           r.kept < 0 ? py::object(py::none()) : py::object(py::int_(r.kept)), r.cuda, r.link,
           r.graph_backward));
-    }
-    return out;
-  }
-
-  // What names a call's record apart from its marks, for every record in order: (link, pass,
-  // recomputation, (op, shape, head dim of v, kv heads, dtype, device type, causal, dropout)). The
-  // eager steps the resolver learns an order from, and the bypassed steps it names by that order
-  // (fadiag/capture/tap.py, EagerOrder).
-  static py::list keys(const std::vector<Record>& records) {
-    py::list out;
-    for (const Record& r : records) {
-      py::object dtype = py::reinterpret_borrow<py::object>(
-          reinterpret_cast<PyObject*>(torch::getTHPDtype(r.dtype)));
-      out.append(py::make_tuple(
-          r.link, r.phase, r.recompute,
-          py::make_tuple(r.op, py::make_tuple(r.b, r.h, r.sq, r.sk, r.d), r.dv, r.kv_heads, dtype,
-                         c10::DeviceTypeName(r.device_type, /*lower_case=*/true), r.causal,
-                         r.dropout)));
     }
     return out;
   }
@@ -959,9 +942,10 @@ void bind_tap(py::module_& m) {
              }
              return false;
            })
-      .def("rows", [](const Batch& b) { return TapState::rows(b.records); })
+      .def(
+          "rows", [](const Batch& b, bool linked) { return TapState::rows(b.records, linked); },
+          py::arg("linked") = false)
       .def("links", [](const Batch& b) { return TapState::links(b.records); })
-      .def("keys", [](const Batch& b) { return TapState::keys(b.records); })
       .def("unlinked",
            [](const Batch& b) {
              int64_t n = 0;
