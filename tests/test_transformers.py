@@ -7,6 +7,7 @@ import pytest
 import torch
 
 import fadiag
+from tests.native_marks import NEEDS_TAP
 
 transformers = pytest.importorskip("transformers")
 
@@ -72,3 +73,54 @@ def test_a_registered_attention_function_is_measured_once_under_its_name():
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     assert ALL_ATTENTION_FUNCTIONS["my_attention"] is my_attention
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@NEEDS_TAP[0]
+@NEEDS_TAP[1]
+def test_llama_steps_are_bypassed_and_report_as_the_wrapper_measures_them(checkpointing):
+    # HF's "sdpa" entry calls the patched SDPA: once the wrapper has measured a step, later
+    # steps are bypassed (steps/bypass.py) and report what the wrapper's steps report.
+    def steps(model, session):
+        if checkpointing:  # transformers 5 renamed it; 4.x has the old name only
+            enable = (getattr(model, "activation_checkpointing_enable", None)
+                      or model.gradient_checkpointing_enable)
+            enable()
+        model.train()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(0)
+        losses = []
+        for _ in range(12):
+            tokens = torch.randint(0, 128, (2, 32), generator=gen)
+            loss = model(input_ids=tokens, labels=tokens).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+            if session is not None:
+                assert session.flush(10)  # each step's order learned before the next boundary
+        return losses
+
+    plain = steps(tiny_llama("sdpa"), None)
+    s = fadiag.attach(port=0, tap="on", **{"steps.verify_every": 5})
+    assert steps(tiny_llama("sdpa"), s) == plain
+    assert s.recorder.bypass.steps == 8  # 4-7 and 9-12 (step 8 the wrapper's check)
+    reports = s.history()
+    assert len(reports) == 12
+
+    def rows(r):
+        return sorted((c.site, c.impl, c.shape, c.kv_heads, c.recompute, c.kept_bytes,
+                       c.standard_bytes) for c in r.calls)
+
+    wrapper = rows(reports[2])  # step 3: the wrapper's, its calls linked to the tap's records
+    assert len({row[0] for row in wrapper}) == 2  # one site per layer, in HF's sdpa entry
+    assert all("sdpa_attention.py" in row[0] for row in wrapper)
+    assert [row[4] for row in wrapper].count(False) == 2  # a forward per layer
+    assert [row[4] for row in wrapper].count(True) == (2 if checkpointing else 0)
+    for r in reports[2:]:
+        assert rows(r) == wrapper
+        # Every forward timed, and each layer's backward (paired with the recomputation where
+        # the layer is checkpointed: its outputs are what the backward op receives).
+        assert all(c.forward_seconds > 0 for c in r.calls)
+        assert all(site.backward_seconds > 0 for site in r.sites())
+        assert not r.unmeasured
