@@ -21,7 +21,8 @@ def tiny_llama(attn: str):
     return transformers.LlamaForCausalLM(config)
 
 
-def train(model, steps=3):
+def train(model, steps=3, session=None):
+    """`steps` optimizer steps; with `session`, each flushed before the next begins."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     gen = torch.Generator().manual_seed(0)
     losses = []
@@ -32,6 +33,8 @@ def train(model, steps=3):
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
+        if session is not None:
+            assert session.flush(10)
     return losses
 
 
@@ -81,29 +84,17 @@ def test_a_registered_attention_function_is_measured_once_under_its_name():
 def test_llama_steps_are_bypassed_and_report_as_the_wrapper_measures_them(checkpointing):
     # HF's "sdpa" entry calls the patched SDPA: once the wrapper has measured a step, later
     # steps are bypassed (steps/bypass.py) and report what the wrapper's steps report.
-    def steps(model, session):
+    def llama():
+        model = tiny_llama("sdpa")
         if checkpointing:  # transformers 5 renamed it; 4.x has the old name only
             enable = (getattr(model, "activation_checkpointing_enable", None)
                       or model.gradient_checkpointing_enable)
             enable()
-        model.train()
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        gen = torch.Generator().manual_seed(0)
-        losses = []
-        for _ in range(12):
-            tokens = torch.randint(0, 128, (2, 32), generator=gen)
-            loss = model(input_ids=tokens, labels=tokens).loss
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.item())
-            if session is not None:
-                assert session.flush(10)  # each step's order learned before the next boundary
-        return losses
+        return model.train()
 
-    plain = steps(tiny_llama("sdpa"), None)
+    plain = train(llama(), 12)
     s = fadiag.attach(port=0, tap="on", **{"steps.verify_every": 5})
-    assert steps(tiny_llama("sdpa"), s) == plain
+    assert train(llama(), 12, s) == plain  # each step's order learned before the next boundary
     assert s.recorder.bypass.steps == 8  # 4-7 and 9-12 (step 8 the wrapper's check)
     reports = s.history()
     assert len(reports) == 12
