@@ -89,7 +89,9 @@ def test_llama_steps_are_bypassed_and_report_as_the_wrapper_measures_them(checkp
         if checkpointing:  # transformers 5 renamed it; 4.x has the old name only
             enable = (getattr(model, "activation_checkpointing_enable", None)
                       or model.gradient_checkpointing_enable)
-            enable()
+            # Non-reentrant, whatever the version's default: a reentrant checkpoint's first
+            # forward runs without grad, which the wrapper measures itself (never bypassed).
+            enable({"use_reentrant": False})
         return model.train()
 
     plain = train(llama(), 12)
