@@ -362,12 +362,13 @@ class Tap:
                 self.no_grad += 1
                 timer.release(f0, f1, b0, b1)
                 continue
+            here = orders.key(r)  # (op_i, shape, dv, kvh, dtype, device, causal, dropout)
             site, sig = f"{SITE}#{n}", None
             if by_order is not None:
-                site, sig = orders.name(by_order, n, orders.key(r))
+                site, sig = orders.name(by_order, n, here)
             if kept is None:
                 kept = kept_by_site.get((phase, n))
-            key = (op_i, shape, dv, kvh, dtype, device, causal, dropout, kept, b0 is None)
+            key = (*here, kept, b0 is None)
             if sig is None:
                 sig = self._signatures.get(key)
             if sig is None:
