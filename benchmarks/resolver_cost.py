@@ -4,9 +4,10 @@ Runs `overhead.py`'s launch-bound GPT step (a small GPT on CPU) with a session a
 times, on the resolver thread, each piece of a step's resolution with the host clock (a thin
 wrapper per piece; nested pieces are inside their caller's figure): joining the tap's records,
 building the report, the rules, the sinks; and, on the training thread, the step boundary that
-hands each closed step over (`Recorder.boundary`, at the optimizer's step; on CPU it includes
-reading the process's CPU wait). Per step: the median over the steps, in µs. The resolver holds
-the GIL while it runs Python, and on a launch-bound step the training thread and the autograd
+hands each closed step over (`Recorder.boundary`, at the optimizer's step), with its pieces: the
+tap's cut, a bypassed step's calls counted, the next step opened and, on CPU, the process's CPU
+wait read. Per step: the median over the steps, in µs. The resolver holds the GIL while it runs
+Python, and on a launch-bound step the training thread and the autograd
 engine's thread want it back all the time (benchmarks/BENCHMARKS.md, runs 67-69), so this is the
 list to shorten. (cProfile is not used for these figures: from Python 3.12 it profiles every
 thread at once; `--profile N` runs it on the replay, where one thread works.) With `--replay`
@@ -38,7 +39,8 @@ import overhead  # noqa: E402
 from in_situ import phased_step, setup_device  # noqa: E402
 
 import fadiag  # noqa: E402
-from fadiag.steps import boundary, resolver  # noqa: E402
+from fadiag.capture import host, tap  # noqa: E402
+from fadiag.steps import boundary, recorder, resolver  # noqa: E402
 
 # (owner, attribute, label): class attributes are timed for every instance; an instance's are
 # set once the session exists (the "rules" and "sinks" owners).
@@ -51,6 +53,10 @@ PIECES = (
     ("sinks", "emit", "    sinks"),
     ("metrics", "count", "  a counted step's rows, counted"),
     (boundary.StepBoundaries, "boundary", "step boundary, training thread"),
+    (tap.Tap, "cut", "  the tap's records cut"),
+    (recorder.Recorder, "_closing", "  a bypassed step's calls counted"),
+    (recorder.Recorder, "_next_step", "  the next step opened"),
+    (host.CpuWait, "read", "  the CPU wait read (CPU steps)"),
 )
 
 
@@ -140,7 +146,7 @@ def main() -> None:
     for _, _, label in PIECES:
         v = times[label]
         if v:
-            print(f"  {label:32s} {statistics.median(v) * 1e6:8.1f}   x{len(v) / resolved:.2f}"
+            print(f"  {label:35s} {statistics.median(v) * 1e6:8.1f}   x{len(v) / resolved:.2f}"
                   f"   (mean a resolved step {sum(v) / resolved * 1e6:.1f})")
     if args.replay and args.profile:
         print(f"\nthe replay's second half under cProfile ({len(held) - half} steps; its own cost "
