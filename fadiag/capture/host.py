@@ -16,7 +16,7 @@ _MIN_INTERVAL_NS = 20_000_000
 running thread's figures up to date at scheduler ticks (1-10 ms), so a sub-millisecond step
 alone often reads no change at all."""
 _READ_EVERY_NS = _MIN_INTERVAL_NS
-"""Wall time between two readings of the files, at most: a reading costs 60 µs on a two-core
+"""Wall time between two readings of the files, at most: a reading costs 60-90 µs on a two-core
 machine (a listing and one file per thread: half the step boundary's time there), and an
 interval needs _MIN_INTERVAL_NS of runnable time, which a busy thread gathers in as much wall
 time; the steps between two readings share the latest interval's figure."""
