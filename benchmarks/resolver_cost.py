@@ -5,8 +5,9 @@ on the resolver thread, each piece of a step's resolution with the host clock (a
 piece; nested pieces are inside their caller's figure): joining the tap's records, building the
 report, the rules, the sinks; and, on the training thread, the step boundary that hands each closed
 step over (`Recorder.boundary`, at the optimizer's step), with its pieces: the tap's cut, a
-bypassed step's calls counted, the next step opened and, on CPU, the process's CPU wait read. Per
-step: the median over the steps, in µs. The resolver holds the GIL while it runs Python, and on a
+bypassed step's calls counted, the next step opened and, on CPU, the process's CPU wait read. Each
+piece: the median of its calls in µs, its calls a step, and its µs a step (all its calls' over all
+steps: steady steps are counted in runs, several steps a call). The resolver holds the GIL while it runs Python, and on a
 launch-bound step the training thread and the autograd engine's thread want it back all the time
 (benchmarks/BENCHMARKS.md, runs 67-69), so this is the list to shorten. (cProfile is not used for
 these figures: from Python 3.12 it profiles every thread at once; `--profile N` runs it on the
@@ -44,7 +45,8 @@ from fadiag.steps import boundary, recorder, resolver  # noqa: E402
 # (owner, attribute, label): class attributes are timed for every instance; an instance's are
 # set once the session exists (the "rules" and "sinks" owners).
 PIECES = (
-    (resolver.Resolver, "_try_resolve", "whole resolution"),
+    (resolver.Resolver, "_count_run", "steady steps counted in a run"),
+    (resolver.Resolver, "_try_resolve", "a step resolved alone"),
     (boundary.ClosedStep, "take_tap", "  the tap's records joined"),
     (resolver.Resolver, "_report", "  the report"),
     (resolver.Resolver, "_step_peak", "    allocator peak"),
@@ -139,14 +141,14 @@ def main() -> None:
     where = ("replayed on the main thread, alone" if args.replay else
              "on the training thread, between steps" if args.inline else "resolver thread")
     print(f"device {args.device}, torch {torch.__version__}; {args.steps} launch-bound steps, "
-          f"{calls:g} calls a step; {where}, median µs a step (calls of the piece a step); "
+          f"{calls:g} calls a step; {where}, median µs a call (calls a step; mean µs a step); "
           f"reports_per_second {args.reports_per_second:g}")
-    resolved = len(times["whole resolution"]) or 1
+    steps = len(times["step boundary, training thread"]) or 1
     for _, _, label in PIECES:
         v = times[label]
         if v:
-            print(f"  {label:35s} {statistics.median(v) * 1e6:8.1f}   x{len(v) / resolved:.2f}"
-                  f"   (mean a resolved step {sum(v) / resolved * 1e6:.1f})")
+            print(f"  {label:35s} {statistics.median(v) * 1e6:8.1f}   x{len(v) / steps:.2f}"
+                  f"   (mean a step {sum(v) / steps * 1e6:.1f})")
     if args.replay and args.profile:
         print(f"\nthe replay's second half under cProfile ({len(held) - half} steps; its own cost "
               "inflates small functions most):")

@@ -77,7 +77,21 @@ def test_a_steady_step_counted_in_cpp_adds_exactly_what_pythons_rows_add(
             recomputed.append(any(self._recompute))
         return done
 
+    run_original = steady_module.SteadySteps.count_run
+
+    def count_run(self, steps, give_up):  # steps in a row, counted in one C++ call
+        expected = [_expected_rows(self, s.tap_batch) for s in steps]
+        done, why = run_original(self, steps, give_up)
+        for step, rows in zip(steps[:done], expected, strict=False):
+            by_python.count(rows)
+            counted.append(step.index)
+            recomputed.append(any(self._recompute))
+        if done:
+            by_cpp.merge(*self.take())  # the run's sums
+        return done, why
+
     monkeypatch.setattr(steady_module.SteadySteps, "count", count)
+    monkeypatch.setattr(steady_module.SteadySteps, "count_run", count_run)
     torch._dynamo.reset()
     session = fadiag.attach(**RATE)
     try:
@@ -150,3 +164,40 @@ def test_no_rate_reports_every_step_and_counts_none_in_cpp():
         assert session.resolver._steady is None
     finally:
         fadiag.detach()
+
+
+def test_steady_steps_in_a_row_are_counted_in_one_cpp_call_up_to_a_new_shape(monkeypatch):
+    # Compiled steps pending together: counted as runs, one C++ call each. A model with one layer
+    # more (a new shape) stops the run at its first step, which Python resolves and learns from;
+    # the next run counts the rest. Every step is in the metrics once.
+    runs = []
+    original = steady_module.SteadySteps.count_run
+
+    def count_run(self, steps, give_up):
+        done, why = original(self, steps, give_up)
+        runs.append(([s.index for s in steps], done, why))
+        return done, why
+
+    monkeypatch.setattr(steady_module.SteadySteps, "count_run", count_run)
+    torch._dynamo.reset()
+    session = fadiag.attach(**RATE)
+    try:
+        torch.manual_seed(0)
+        train(torch.compile(GPT(layers=2, dim=32, heads=2)), steps=6, seq=32)
+        train(torch.compile(GPT(layers=3, dim=32, heads=2)), steps=6, seq=32)
+        assert session.flush(30)
+        samples = _samples(session.metrics)
+        reported = [r.step for r in session.history()]
+        counted_in_runs = session.resolver._steady.counted
+    finally:
+        fadiag.detach()
+    # Step 1 reported (the rate's first); 2-6 one run, stopped by step 7's shape (Python's);
+    # 8-11 the next run; 12, the newest, reported.
+    assert runs[0] == ([2, 3, 4, 5, 6, 7, 8, 9, 10, 11], 5, -1)
+    assert ([8, 9, 10, 11], 4, 1) in runs
+    assert reported == [1, 12] and counted_in_runs == 9
+    rank = (("rank", "0"),)
+    assert samples[("fadiag_steps_total", rank)] == 12
+    assert samples[("fadiag_steps_unreported_total", rank)] == 10
+    assert samples[("fadiag_attention_calls_total", (("impl", "cpu_flash"), ("rank", "0")))] == 30
+    assert session.devices.timer("cpu").marks_in_use() == 0

@@ -232,11 +232,6 @@ class Tap:
         """Calls seen while a CUDA graph captured their stream (cumulative; no marks taken)."""
         return int(self._tap.counts()["captured"])
 
-    def counted(self) -> int:
-        """A number that grows whenever a reason `counts()` reads grows, except the resolver's
-        own (no_grad, unrecorded): a cheap test, at each step boundary, that nothing moved."""
-        return int(self._tap.counted()) + self.cuda_graph_calls
-
     def shares(self, timer: Any) -> bool:
         """Whether the tap's marks for `timer`'s device are `timer`'s own (one pool)."""
         return self.timers.get(timer.kind) is timer
@@ -249,8 +244,15 @@ class Tap:
 
     def cut(self) -> Any:
         """The records since the last cut (a C++ batch), or None: the training thread's part."""
-        batch = self._tap.cut()
-        return batch if len(batch) else None
+        return self.cut_step()[0]
+
+    def cut_step(self) -> tuple[Any, int, bool, int]:
+        """A step boundary's cut in one C++ call: the batch (None when empty), its records of
+        calls not the wrapper's, whether anything in it trained, and a number that grows whenever
+        a reason `counts()` reads grows, except the resolver's own (no_grad, unrecorded): a
+        cheap test, at each step boundary, that nothing moved."""
+        batch, unlinked, trained, counted = self._tap.cut_step()
+        return batch, unlinked, trained, counted + self.cuda_graph_calls
 
     def calls(self, batch: Any, call_class: Any, linked: list[Any],
               by_order: orders.EagerOrder | None = None) -> tuple[list[Any], int, int]:
@@ -305,6 +307,16 @@ class Tap:
         """A steady step's cut counted in C++: 1, 0 (not yet) or -1 (Python's), as Tally.count;
         -1 while linked records of earlier cuts wait for their calls (they are Python's)."""
         return -1 if self._later else int(self._tap.count(batch, tally, keys, recompute, give_up))
+
+    def count_run(self, batches: list[Any], shape: int, tally: Any, keys: list[int],
+                  recompute: list[bool], give_up: list[bool]) -> tuple[int, int]:
+        """Steady steps' cuts in a row, each shaped `shape` with no linked record, counted in
+        one C++ call (Tally.count_run): how many were, and why the next was not (0 not yet, -1
+        Python's, 1 none left)."""
+        if self._later:
+            return 0, -1
+        counted, why = self._tap.count_run(batches, shape, tally, keys, recompute, give_up)
+        return int(counted), int(why)
 
     def discard(self, batch: Any, call_class: Any) -> None:
         """A cut in which nothing trained (evaluation, steps.record_no_grad off), on the training

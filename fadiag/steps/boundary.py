@@ -151,10 +151,10 @@ class StepBoundaries:
         self._unmeasured_seen: dict[str, int] = {}
         self._unmeasured_moved = 0
 
-    def _closing(self, batch: Any) -> tuple[Any, bool]:
-        """The open step is closing with the tap's cut `batch`: the EagerOrder its bypassed calls
-        are named by (None: not bypassed), and whether the resolver learns its order. The
-        Recorder's; here neither."""
+    def _closing(self, batch: Any, unlinked: int) -> tuple[Any, bool]:
+        """The open step is closing with the tap's cut `batch` (`unlinked`: its records of calls
+        not the wrapper's): the EagerOrder its bypassed calls are named by (None: not bypassed),
+        and whether the resolver learns its order. The Recorder's; here neither."""
         return None, False
 
     def _sampled(self, index: int) -> bool:
@@ -196,9 +196,10 @@ class StepBoundaries:
                 self.calls = merged + self.calls
                 self._phases = []
             tap = self.tap
-            batch = tap.cut() if tap is not None else None
-            order, learn = self._closing(batch)
-            if batch is not None and not self.record_no_grad and not batch.trained():
+            batch, unlinked, trained, counted = (
+                tap.cut_step() if tap is not None else (None, 0, False, 0))
+            order, learn = self._closing(batch, unlinked)
+            if batch is not None and not self.record_no_grad and not trained:
                 tap.discard(batch, Call)  # evaluation only: counted as no_grad, marks back
                 batch = None
             # An optimizer step is a step (fadiag_steps_total) even with no attention measured;
@@ -212,7 +213,7 @@ class StepBoundaries:
             closed = None
             if self.calls or batch is not None or empty_step:
                 closed = ClosedStep(self.step_index, self.calls, self._step_device(),
-                                    self._unmeasured_since(), tap, batch)
+                                    self._unmeasured_since(counted), tap, batch)
                 closed.order, closed.learn_order = order, learn
             self.calls = []
             self.calls_since_boundary = 0
@@ -250,15 +251,15 @@ class StepBoundaries:
                     totals[reason] = totals.get(reason, 0) + n
         return totals
 
-    def _unmeasured_since(self) -> dict[str, int]:
-        """What unmeasured_totals() gained since the last boundary (reasons that moved). The
-        tap's records become calls on the resolver thread, which adds to the step what it drops
+    def _unmeasured_since(self, tap_counted: int) -> dict[str, int]:
+        """What unmeasured_totals() gained since the last boundary (reasons that moved;
+        `tap_counted`: what the tap counted at its cut, Tap.cut_step). The tap's records become
+        calls on the resolver thread, which adds to the step what it drops
         (ClosedStep.take_tap): those reasons are not read here."""
         # Every count only grows, so an unchanged sum means none moved: the common step reads
         # one sum instead of building the totals.
-        tap = self.tap
         moved = (self.sampled_out + self.over_cap + self.other_device
-                 + sum(self.unmeasured.values()) + (tap.counted() if tap is not None else 0))
+                 + sum(self.unmeasured.values()) + tap_counted)
         if moved == self._unmeasured_moved:
             return {}
         self._unmeasured_moved = moved

@@ -94,9 +94,10 @@ class Bypass:
             return False
         return self._verify or not self._usable(tap.order)
 
-    def closing(self, rec: Any, batch: Any) -> EagerOrder | None:
-        """The bypassed step closing with the tap's cut `batch`: its calls counted into the
-        recorder's, and the order that names them (an empty one where they cannot be named)."""
+    def closing(self, rec: Any, batch: Any, recorded: int) -> EagerOrder | None:
+        """The bypassed step closing with the tap's cut `batch`, `recorded` of its records not
+        the wrapper's calls: its calls counted into the recorder's, and the order that names them
+        (an empty one where they cannot be named)."""
         order = self.order
         assert order is not None
         try:
@@ -106,7 +107,6 @@ class Bypass:
             return order
         calls, self._seen = total - self._seen, total
         rec.calls_since_boundary += calls
-        recorded = batch.unlinked() if batch is not None else 0
         if calls or recorded:  # else a boundary with nothing in the step (a flush)
             self.steps += 1
             self._since_miss += 1

@@ -15,12 +15,11 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import psutil
-
 from ..capture.calls import Call
 from ..capture.timers import relax_capture_mode
 from .boundary import ClosedStep
 from .counting import Counter, ReportRate, finite_seconds, rows
+from .peaks import StepPeaks
 from .records import CallRecord, StepReport
 from .steady import SteadySteps
 
@@ -38,8 +37,6 @@ _DEFER_S = 0.5
 """With native marks a pass waits, at most this long, for a backward window."""
 _TICK_S = 0.5
 _BACKWARD_GRACE_S = 5.0
-_RSS_EVERY_S = 0.5
-"""CPU runs report the process RSS as the step's peak (~0.1 ms a read): at most twice a second."""
 
 
 class Resolver:
@@ -83,10 +80,7 @@ class Resolver:
         self._hurry = threading.Event()
         """Set by flush(): someone waits for the results, so nothing is deferred."""
         self._wake = threading.Event()
-        self._mem_before: dict[str, dict[str, int]] = {}
-        self._process = psutil.Process()
-        self._rss: int | None = None
-        self._rss_at = 0.0
+        self._peaks = StepPeaks()
         self._next_tick = 0.0
         self._thread = threading.Thread(target=self._run, name="fadiag-resolver", daemon=True)
 
@@ -178,10 +172,29 @@ class Resolver:
                 continue
             if windowed:
                 windowed = self._await_window()
+            counted, why = self._count_run()
+            if why == 0:  # a mark the device has not passed
+                break
+            if counted:
+                continue
             if not self._try_resolve(head):
                 break
             self._pending.popleft()
         self._merge()
+
+    def _count_run(self) -> tuple[int, int]:
+        """The steady steps at the head of the pending ones counted together in C++, one call
+        and one release of the GIL for the run, where `_try_resolve` takes a step at a time
+        (SteadySteps.count_head): (counted, why the next was not), (0, -1) with no run."""
+        steady = self._steady_for(self._pending[0])  # type: ignore[arg-type]
+        if steady is None:
+            return 0, -1
+        newest = None  # always reported (see _try_resolve)
+        if self._queue.empty():
+            newest = next((s for s in reversed(self._pending) if isinstance(s, ClosedStep)), None)
+        counted, why = steady.count_head(self._pending, newest, self.rate.due, _BACKWARD_GRACE_S)
+        self.rate.counted += counted  # closed before a report was due: as counted_only counts
+        return counted, why
 
     def _await_window(self) -> bool:
         """With native marks, wait for a backward window before resolving a step; False when the
@@ -356,24 +369,9 @@ class Resolver:
         self.history.append(report)
 
     def _step_peak(self, step: ClosedStep) -> int | None:
-        """Allocator peak since the previous step (non-destructive), or the process RSS on CPU."""
-        devices = {c.timer.kind: c.timer for c in step.calls if c.sig is not None}
-        for kind, timer in devices.items():
-            if kind == "cpu":
-                continue
-            after = timer.memory_stats(step.device)
-            before = self._mem_before.get(kind)
-            self._mem_before[kind] = after
-            if before is None:
-                return int(after["peak"])
-            if after["peak"] > before["peak"]:
-                return int(after["peak"])
-            return int(min(before["peak"], max(before["current"], after["current"])
-                           + (after["allocated"] - before["allocated"])))
-        now = time.monotonic()
-        if self._rss is None or now - self._rss_at >= _RSS_EVERY_S:
-            self._rss, self._rss_at = int(self._process.memory_info().rss), now
-        return self._rss
+        """Allocator peak since the previous step, or the process RSS on CPU (StepPeaks)."""
+        return self._peaks.of({c.timer.kind: c.timer for c in step.calls if c.sig is not None},
+                              step.device)
 
     def _tick(self) -> None:
         self.cpu_seconds = time.thread_time()

@@ -8,8 +8,10 @@ runs, since the training thread and the autograd engine's want the GIL back all 
 in Python, and a later step of the same shape, whose calls are the same (impl, site,
 recomputation), is counted by the dispatcher tap's C++ (`Tally` in capture/_native/tap.cpp): the
 marks read without the GIL, the seconds summed per key as `Metrics.count` sums rows, the marks
-given back. The sums reach the metrics at the end of each pass, before each report and before a
-flush() is answered (`take`).
+given back. Steps with no call of the eager wrapper's (bypassed eager steps, compiled ones) that
+wait together are counted as a run: one C++ call, and one release of the GIL, for all of them. The
+sums reach the metrics at the end of each pass, before each report and before a flush() is
+answered (`take`).
 
 Example::
 
@@ -18,12 +20,14 @@ Example::
     ...                                   # resolved in Python
     steady.learn(seen, step.calls)        # a steady step: later ones like it are counted in C++
     steady.count(step, give_up=False)     # 1 counted, 0 not yet, -1 Python's to resolve
+    steady.count_head(pending, newest, rate.due, 5.0)  # the steady steps at the head, as a run
     metrics.merge(*steady.take())
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..capture.calls import Call
@@ -105,6 +109,46 @@ class SteadySteps:
             step.tap = step.tap_batch = None
             self.counted += 1
         return done
+
+    def in_run(self, step: ClosedStep) -> bool:
+        """Whether `step` may be counted with others in one C++ call (`count_run`): a learned step
+        with no call of the eager wrapper's, and `step` one with none either, nothing unmeasured,
+        named by the same order (its cut's shape is checked in C++)."""
+        return (self._shape is not None and not self._linked and not step.calls
+                and step.tap is self.tap and step.tap_batch is not None and not step.unmeasured
+                and step.order is self._order and (step.order is None or not step.order.broken))
+
+    def count_head(self, pending: Any, newest: ClosedStep | None, due: Callable[[float], bool],
+                   grace_s: float) -> tuple[int, int]:
+        """The steps at the head of `pending` (the resolver's deque of closed steps and flush
+        markers) that are `in_run`, counted in one C++ call (`count_run`) and taken off it. A run
+        ends before a marker, `newest`, or a step closed when `due` says a report is due; a step
+        closed `grace_s` ago or more no longer waits for a backward that started."""
+        run: list[ClosedStep] = []
+        for s in pending:
+            if not isinstance(s, ClosedStep) or s is newest or due(s.closed) or not self.in_run(s):
+                break
+            run.append(s)
+        if not run:
+            return 0, -1
+        now = time.monotonic()
+        counted, why = self.count_run(run, [now - s.closed >= grace_s for s in run])
+        for _ in range(counted):
+            pending.popleft()
+        return counted, why
+
+    def count_run(self, steps: list[ClosedStep], give_up: list[bool]) -> tuple[int, int]:
+        """Steps that are all `in_run`, counted in order in one C++ call, as `count` counts each:
+        how many were (their cuts consumed), and why the next was not (0 a mark the device has
+        not passed, -1 Python's to resolve, 1 none left)."""
+        assert self._shape is not None
+        counted, why = self.tap.count_run([s.tap_batch for s in steps], self._shape,
+                                          self._tally, self._record_keys, self._recompute,
+                                          give_up)
+        for step in steps[:counted]:
+            step.tap = step.tap_batch = None
+        self.counted += counted
+        return counted, why
 
     def take(self) -> Summed | None:
         """What was counted since the last take, keys named, or None."""

@@ -337,12 +337,14 @@ class Pool {
   }
   bool window() const { return window_.load(); }
   // The dispatcher tap's side of the window: open while its forwards still wait for backward ops
-  // inside a backward pass, shut when none does.
+  // inside a backward pass, shut when none does. Each backward op opens it: only the first of a
+  // pass takes the lock and wakes a waiter (the others find it open).
   void tap_window(bool open) {
     if (!open) {
       if (armed_.load() <= 0) window_.store(false);
       return;
     }
+    if (window_.load()) return;
     {
       std::lock_guard<std::mutex> lock(mu_);
       window_.store(true);

@@ -588,6 +588,21 @@ class TapState {
 // One cut of the record log, handed from the training thread to the resolver.
 struct Batch {
   std::vector<Record> records;
+
+  // Records of calls that were not the eager wrapper's (no link).
+  int64_t unlinked() const {
+    int64_t n = 0;
+    for (const Record& r : records) n += r.link == 0 ? 1 : 0;
+    return n;
+  }
+
+  // Whether anything in it trained: a backward ran, a recomputation, or a wrapped call.
+  bool trained() const {
+    for (const Record& r : records) {
+      if (r.b0 >= 0 || r.recompute || r.link != 0) return true;
+    }
+    return false;
+  }
 };
 
 // A batch's shape: everything that decides which call each record becomes and under which key it
@@ -628,19 +643,68 @@ class Tally {
   // key's index and whether its call is a recomputation. The marks are read without the GIL.
   int count(TapState& state, Batch& batch, const std::vector<int64_t>& keys,
             const std::vector<bool>& recompute, bool give_up_open_backward) {
+    py::gil_scoped_release no_gil;
+    return count_one(state, batch, keys, recompute, give_up_open_backward);
+  }
+
+  // Steady steps in a row, counted as `count` counts each, for one release of the GIL: a run of
+  // steps with no call of the eager wrapper's (bypassed or compiled ones), each cut shaped as
+  // `shape` with no linked record. (counted, why the next was not): counted ones are consumed
+  // (their records emptied, their marks given back), and the next reads 0 (a mark the device has
+  // not passed), -1 (Python's: not shaped so, or as `count`'s -1) or 1 (the run was all counted).
+  std::pair<int64_t, int> count_run(TapState& state, const std::vector<Batch*>& batches,
+                                    int64_t shape, const std::vector<int64_t>& keys,
+                                    const std::vector<bool>& recompute,
+                                    const std::vector<bool>& give_up_open_backward) {
+    if (give_up_open_backward.size() != batches.size()) return {0, -1};
+    py::gil_scoped_release no_gil;
+    int64_t counted = 0;
+    for (size_t i = 0; i < batches.size(); ++i) {
+      Batch& batch = *batches[i];
+      if (static_cast<int64_t>(shape_of(batch)) != shape) return {counted, -1};
+      for (const Record& r : batch.records) {
+        if (r.link != 0) return {counted, -1};
+      }
+      const int done = count_one(state, batch, keys, recompute, give_up_open_backward[i]);
+      if (done != 1) return {counted, done};
+      ++counted;
+    }
+    return {counted, 1};
+  }
+
+  // What was counted since the last take, or None: (steps, the step histogram's counts, its sum,
+  // [(key, forward counts, forward sum, calls, backward counts, backward sum, host-bound calls)]).
+  py::object take() {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (steps_ == 0) return py::none();
+    py::list keys;
+    for (size_t i = 0; i < keys_.size(); ++i) {
+      Key& k = keys_[i];
+      if (!k.touched) continue;
+      keys.append(py::make_tuple(static_cast<int64_t>(i), k.fwd.counts, k.fwd.sum, k.calls,
+                                 k.bwd.counts, k.bwd.sum, k.host_bound));
+      k = Key(bounds_.size() + 1);
+    }
+    py::tuple out = py::make_tuple(steps_, step_.counts, step_.sum, keys);
+    steps_ = 0;
+    step_ = Hist(bounds_.size() + 1);
+    return out;
+  }
+
+ private:
+  // Tally::count without the GIL (its caller released it).
+  int count_one(TapState& state, Batch& batch, const std::vector<int64_t>& keys,
+                const std::vector<bool>& recompute, bool give_up_open_backward) {
     const std::vector<Record>& rs = batch.records;
     if (rs.empty() || keys.size() != rs.size() || recompute.size() != rs.size()) return -1;
     std::vector<double> s(4 * rs.size(), 0.0);  // per record, as Pool::read_call reads it
-    {
-      py::gil_scoped_release no_gil;
-      for (size_t i = 0; i < rs.size(); ++i) {
-        const Record& r = rs[i];
-        Pool* pool = state.pool_of(r);
-        if (pool == nullptr) return -1;
-        if (!pool->read_call(r.f0, r.f1, r.b0, r.b1, give_up_open_backward, &s[4 * i])) return 0;
-        // A failed forward mark, a backward refused in a graph capture: Python's to count.
-        if (std::isnan(s[4 * i]) || s[4 * i + 1] < 0.0) return -1;
-      }
+    for (size_t i = 0; i < rs.size(); ++i) {
+      const Record& r = rs[i];
+      Pool* pool = state.pool_of(r);
+      if (pool == nullptr) return -1;
+      if (!pool->read_call(r.f0, r.f1, r.b0, r.b1, give_up_open_backward, &s[4 * i])) return 0;
+      // A failed forward mark, a backward refused in a graph capture: Python's to count.
+      if (std::isnan(s[4 * i]) || s[4 * i + 1] < 0.0) return -1;
     }
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -665,26 +729,6 @@ class Tally {
     return 1;
   }
 
-  // What was counted since the last take, or None: (steps, the step histogram's counts, its sum,
-  // [(key, forward counts, forward sum, calls, backward counts, backward sum, host-bound calls)]).
-  py::object take() {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (steps_ == 0) return py::none();
-    py::list keys;
-    for (size_t i = 0; i < keys_.size(); ++i) {
-      Key& k = keys_[i];
-      if (!k.touched) continue;
-      keys.append(py::make_tuple(static_cast<int64_t>(i), k.fwd.counts, k.fwd.sum, k.calls,
-                                 k.bwd.counts, k.bwd.sum, k.host_bound));
-      k = Key(bounds_.size() + 1);
-    }
-    py::tuple out = py::make_tuple(steps_, step_.counts, step_.sum, keys);
-    steps_ = 0;
-    step_ = Hist(bounds_.size() + 1);
-    return out;
-  }
-
- private:
   struct Hist {
     explicit Hist(size_t n) : counts(n, 0) {}
     std::vector<int64_t> counts;
@@ -886,13 +930,28 @@ class Tap {
   bool installed() const { return !libraries_.empty(); }
   void set_measuring(bool on) { state_->set_measuring(on); }
   Batch cut() { return Batch{state_->cut()}; }
+  // A step boundary's cut, with what the boundary reads of it, in one call from the training
+  // thread (each C++ call right after the optimizer's step runs cold): (the batch, None when
+  // empty; its unlinked records; whether anything in it trained; counted()).
+  py::tuple cut_step() {
+    Batch batch{state_->cut()};
+    const int64_t unlinked = batch.unlinked();
+    const bool trained = batch.trained();
+    py::object out = batch.records.empty() ? py::object(py::none()) : py::cast(std::move(batch));
+    return py::make_tuple(out, unlinked, trained, state_->counted());
+  }
   void release(Batch& batch) { state_->release(batch.records); }
   int count(Batch& batch, Tally& tally, const std::vector<int64_t>& keys,
             const std::vector<bool>& recompute, bool give_up_open_backward) {
     return tally.count(*state_, batch, keys, recompute, give_up_open_backward);
   }
+  std::pair<int64_t, int> count_run(const std::vector<Batch*>& batches, int64_t shape,
+                                    Tally& tally, const std::vector<int64_t>& keys,
+                                    const std::vector<bool>& recompute,
+                                    const std::vector<bool>& give_up_open_backward) {
+    return tally.count_run(*state_, batches, shape, keys, recompute, give_up_open_backward);
+  }
   py::dict counts() const { return state_->counts(); }
-  int64_t counted() const { return state_->counted(); }
   int64_t oldest_open_ns() { return state_->oldest_open_ns(); }
 
   // A call of the Python wrapper: the ops it reaches pass through unless it is linked.
@@ -934,24 +993,12 @@ void bind_tap(py::module_& m) {
   m.attr("tap") = true;
   py::class_<Batch>(m, "TapBatch")
       .def("__len__", [](const Batch& b) { return b.records.size(); })
-      // Whether anything in it trained: a backward ran, a recomputation, or a wrapped call.
-      .def("trained",
-           [](const Batch& b) {
-             for (const Record& r : b.records) {
-               if (r.b0 >= 0 || r.recompute || r.link != 0) return true;
-             }
-             return false;
-           })
+      .def("trained", &Batch::trained)
       .def(
           "rows", [](const Batch& b, bool linked) { return TapState::rows(b.records, linked); },
           py::arg("linked") = false)
       .def("links", [](const Batch& b) { return TapState::links(b.records); })
-      .def("unlinked",
-           [](const Batch& b) {
-             int64_t n = 0;
-             for (const Record& r : b.records) n += r.link == 0 ? 1 : 0;
-             return n;
-           })
+      .def("unlinked", &Batch::unlinked)
       .def("shape", [](const Batch& b) { return static_cast<int64_t>(shape_of(b)); })
       // Each record's forward start mark, in order (to join records to the calls they became).
       .def("firsts",
@@ -978,10 +1025,11 @@ void bind_tap(py::module_& m) {
       .def("installed", &Tap::installed)
       .def("set_measuring", &Tap::set_measuring)
       .def("cut", &Tap::cut)
+      .def("cut_step", &Tap::cut_step)
       .def("release", &Tap::release)
       .def("count", &Tap::count)
+      .def("count_run", &Tap::count_run)
       .def("counts", &Tap::counts)
-      .def("counted", &Tap::counted)
       .def("oldest_open_ns", &Tap::oldest_open_ns)
       .def_static("enter", &Tap::enter)
       .def_static("exit", &Tap::exit)
