@@ -54,7 +54,7 @@ PIECES = (
     ("sinks", "emit", "    sinks"),
     ("metrics", "count", "  a counted step's rows, counted"),
     (boundary.StepBoundaries, "boundary", "step boundary, training thread"),
-    (tap.Tap, "cut", "  the tap's records cut"),
+    (tap.Tap, "cut_step", "  the tap's records cut"),
     (recorder.Recorder, "_closing", "  a bypassed step's calls counted"),
     (recorder.Recorder, "_next_step", "  the next step opened"),
     (host.CpuWait, "read", "  the CPU wait read (CPU steps)"),
