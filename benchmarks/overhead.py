@@ -395,10 +395,12 @@ def block_time(step, n: int, warm: int = 1, settle=_nothing,
     ("cpu"), the machine's stolen seconds a wall second ("steal") and Python's full collections
     inside the block ("full_gc", their seconds "full_gc_s")."""
     # Untimed: what a variant does once per attach (server start, learning each call signature on
-    # the first measured step) stays out; a production session attaches once.
+    # the first measured step) stays out; a production session attaches once. Each warm step is
+    # settled: what the resolver learns of a step (an order, a steady shape) serves from the
+    # boundary after it is learned, as it does a few steps in when attached once.
     for _ in range(warm):
         step()
-    settle()
+        settle()
     # A full collection now, untimed, in every block alike: the one that a variant's attach, made
     # for each of its blocks, brings on sooner would otherwise fall inside the block. Those the
     # steps bring on stay inside it, counted (FULL).
@@ -539,11 +541,13 @@ def measure_rotated(model_name: str, variants: list[str], rounds: int, steps: in
         if (i // len(runs)) % 2:
             order.reverse()
         for v in order:
-            # Three untimed steps and a settle: the first learns each signature, the second the
-            # order of a step whose calls the tap timed, so that the timed steps are bypassed
-            # (steps/bypass.py) as in a session attached once.
+            # Four untimed steps, each settled: the first learns each signature, the second the
+            # order of a step whose calls the tap timed, the third is the wrapper's still (the
+            # boundary that opened it came before the order was learned), the fourth is bypassed
+            # and its shape learned for counting in C++: every timed step is bypassed
+            # (steps/bypass.py) and counted as in a session attached once.
             with variant(v if v != "plain_again" else "plain", model) as settle:
-                walls[v].append(block_time(step, n, 3, settle if host_bound else _nothing))
+                walls[v].append(block_time(step, n, 4, settle if host_bound else _nothing))
     plain = walls["plain"]
     out: dict = {"design": "rotated", "rounds": len(plain), "steps_per_block": n,
                  "blocks_ms": {v: [w * 1e3 for w in ws] for v, ws in walls.items()}}
