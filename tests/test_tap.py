@@ -127,3 +127,34 @@ def test_a_custom_op_that_mutates_its_arguments_still_bumps_their_versions(flash
     node = out.grad_fn
     out.sum().backward()
     assert all(n > 0 for n in node.versions)  # dq, dk, dv written in place, as autograd must see
+
+
+def test_a_step_boundarys_cut_says_what_it_holds_in_the_same_call():
+    """Tap.cut_step: the batch (None when empty), its records of calls not the wrapper's, whether
+    anything in it trained, and the count of reasons the tap counted (what the boundary reads)."""
+    op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    s = fadiag.attach(tap="on", **{"exporter.enabled": False})
+    try:
+        tap = s.recorder.tap
+        q = torch.randn(1, 2, 16, 8, requires_grad=True)
+        batch, unlinked, trained, counted = tap.cut_step()
+        assert (batch, unlinked, trained) == (None, 0, False)
+        with torch.no_grad():
+            op(q, q, q)  # evaluation: recorded, nothing trained
+        batch, unlinked, trained, now = tap.cut_step()
+        assert (len(batch), unlinked, trained, now) == (1, 1, False, counted)
+        tap.release(batch)
+        out, lse = op(q, q, q)[:2]
+        out.sum().backward()  # the backward op's marks land in the forward's record
+        batch, unlinked, trained, now = tap.cut_step()
+        assert (len(batch), unlinked, trained, now) == (1, 1, True, counted)
+        tap.release(batch)
+        # A backward op whose arguments name no forward the tap saw: unpaired, counted.
+        x = q.detach()
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            torch.ones_like(x), x, x, x, torch.zeros_like(x), lse.detach().clone(), 0.0, False)
+        batch, unlinked, trained, now = tap.cut_step()
+        assert (batch, unlinked, trained, now) == (None, 0, False, counted + 1)
+    finally:
+        fadiag.detach()
+    assert s.devices.timer("cpu").marks_in_use() == 0
