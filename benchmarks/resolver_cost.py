@@ -4,18 +4,18 @@ Runs `overhead.py`'s launch-bound GPT step (a small GPT on CPU) with a session a
 on the resolver thread, each piece of a step's resolution with the host clock (a thin wrapper per
 piece; nested pieces are inside their caller's figure): joining the tap's records, building the
 report, the rules, the sinks; and, on the training thread, the step boundary that hands each closed
-step over (`Recorder.boundary`, at the optimizer's step), with its pieces: the tap's cut, a
-bypassed step's calls counted, the next step opened and, on CPU, the process's CPU wait read. Each
-piece: the median of its calls in µs, its calls a step, and its µs a step (all its calls' over all
-steps: steady steps are counted in runs, several steps a call). The resolver holds the GIL while it runs Python, and on a
-launch-bound step the training thread and the autograd engine's thread want it back all the time
-(benchmarks/BENCHMARKS.md, runs 67-69), so this is the list to shorten. (cProfile is not used for
-these figures: from Python 3.12 it profiles every thread at once; `--profile N` runs it on the
-replay, where one thread works.) With `--replay` the closed steps are held instead, and resolved
-afterwards on the main thread with nothing beside it: each piece's own cost, with no wait for the
-GIL in it, the figure to compare between commits. With `--inline` each step is resolved on the main
-thread at a later step boundary, between training steps, as the resolver's work would run in situ
-without a second thread: against `--replay`, what cold caches cost it. Usage:
+step over (`Recorder.boundary`, at the optimizer's step), with its pieces: the tap's cut, a bypassed
+step's calls counted, the next step opened and, on CPU, the process's CPU wait read. Each piece: the
+median of its calls in µs, its calls a step, and its µs a step (all its calls' over all steps:
+steady steps are counted in runs, several steps a call). The resolver holds the GIL while it runs
+Python, and on a launch-bound step the training thread and the autograd engine's thread want it back
+all the time (benchmarks/BENCHMARKS.md, runs 67-69), so this is the list to shorten. (cProfile is
+not used for these figures: from Python 3.12 it profiles every thread at once; `--profile N` runs it
+on the replay, where one thread works.) With `--replay` the closed steps are held instead, and
+resolved afterwards on the main thread with nothing beside it: each piece's own cost, with no wait
+for the GIL in it, the figure to compare between commits. With `--inline` each step is resolved on
+the main thread at a later step boundary, between training steps, as the resolver's work would run
+in situ without a second thread: against `--replay`, what cold caches cost it. Usage:
 
     python benchmarks/resolver_cost.py [--device cuda] [--steps 300] [--replay [--profile N] | --inline]
         [--reports-per-second R]

@@ -189,9 +189,7 @@ class Resolver:
         steady = self._steady_for(self._pending[0])  # type: ignore[arg-type]
         if steady is None:
             return 0, -1
-        newest = None  # always reported (see _try_resolve)
-        if self._queue.empty():
-            newest = next((s for s in reversed(self._pending) if isinstance(s, ClosedStep)), None)
+        newest = self._last_pending() if self._queue.empty() else None  # always reported
         counted, why = steady.count_head(self._pending, newest, self.rate.due, _BACKWARD_GRACE_S)
         self.rate.counted += counted  # closed before a report was due: as counted_only counts
         return counted, why
@@ -312,8 +310,12 @@ class Resolver:
         for from the end (flush markers are all that can follow it)."""
         if not self._queue.empty():
             return False
-        last = next((s for s in reversed(self._pending) if isinstance(s, ClosedStep)), None)
+        last = self._last_pending()
         return last is None or last is step
+
+    def _last_pending(self) -> ClosedStep | None:
+        """The last closed step among the pending ones (flush markers may follow it), or None."""
+        return next((s for s in reversed(self._pending) if isinstance(s, ClosedStep)), None)
 
     def _release(self, calls: list[Call]) -> None:
         """Give back the marks of calls that will not be timed (a hook that fires later takes a

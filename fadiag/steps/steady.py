@@ -91,8 +91,7 @@ class SteadySteps:
         1 counted (its cut consumed), 0 a mark the device has not passed, -1 Python's to resolve
         (nothing changed)."""
         batch = step.tap_batch
-        if (self._shape is None or batch is None or step.tap is not self.tap or step.unmeasured
-                or step.order is not self._order or (step.order is not None and step.order.broken)):
+        if not self._learned_for(step):
             return -1
         calls = step.calls
         if len(calls) != len(self._linked):
@@ -114,9 +113,14 @@ class SteadySteps:
         """Whether `step` may be counted with others in one C++ call (`count_run`): a learned step
         with no call of the eager wrapper's, and `step` one with none either, nothing unmeasured,
         named by the same order (its cut's shape is checked in C++)."""
-        return (self._shape is not None and not self._linked and not step.calls
-                and step.tap is self.tap and step.tap_batch is not None and not step.unmeasured
-                and step.order is self._order and (step.order is None or not step.order.broken))
+        return not self._linked and not step.calls and self._learned_for(step)
+
+    def _learned_for(self, step: ClosedStep) -> bool:
+        """Whether the learned step may stand for `step` at all: a shape learned, a cut of this
+        tap's, nothing unmeasured, and its calls named by the same order, unbroken."""
+        return (self._shape is not None and step.tap_batch is not None and step.tap is self.tap
+                and not step.unmeasured and step.order is self._order
+                and (step.order is None or not step.order.broken))
 
     def count_head(self, pending: Any, newest: ClosedStep | None, due: Callable[[float], bool],
                    grace_s: float) -> tuple[int, int]:

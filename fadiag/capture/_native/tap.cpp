@@ -929,7 +929,6 @@ class Tap {
 
   bool installed() const { return !libraries_.empty(); }
   void set_measuring(bool on) { state_->set_measuring(on); }
-  Batch cut() { return Batch{state_->cut()}; }
   // A step boundary's cut, with what the boundary reads of it, in one call from the training
   // thread (each C++ call right after the optimizer's step runs cold): (the batch, None when
   // empty; its unlinked records; whether anything in it trained; counted()).
@@ -993,7 +992,6 @@ void bind_tap(py::module_& m) {
   m.attr("tap") = true;
   py::class_<Batch>(m, "TapBatch")
       .def("__len__", [](const Batch& b) { return b.records.size(); })
-      .def("trained", &Batch::trained)
       .def(
           "rows", [](const Batch& b, bool linked) { return TapState::rows(b.records, linked); },
           py::arg("linked") = false)
@@ -1024,7 +1022,6 @@ void bind_tap(py::module_& m) {
       .def("uninstall", &Tap::uninstall)
       .def("installed", &Tap::installed)
       .def("set_measuring", &Tap::set_measuring)
-      .def("cut", &Tap::cut)
       .def("cut_step", &Tap::cut_step)
       .def("release", &Tap::release)
       .def("count", &Tap::count)
