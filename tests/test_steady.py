@@ -39,9 +39,9 @@ def _samples(metrics: Metrics) -> dict:
             for family in registry.collect() for s in family.samples}
 
 
-def _expected_rows(steady, batch) -> list:
+def _expected_rows(steady, batch, learned) -> list:
     """The rows Python's path makes of `batch`'s records (read before C++ gives the marks back):
-    the marks read by the timer's own `seconds`, named by the learned keys."""
+    the marks read by the timer's own `seconds`, named by the keys `learned` (a step of its kind)."""
     linked, compiled = batch.links(), batch.rows()
     assert not (linked and compiled)  # one kind a step in these models: records stay in order
     quads = [(r[1], r[2], r[3], r[4]) for r in linked or compiled]
@@ -49,8 +49,8 @@ def _expected_rows(steady, batch) -> list:
     rows = []
     for i, (f, b, fi, bi) in enumerate(timer.seconds(quads, False)):
         f, b = finite_seconds(f), finite_seconds(b)
-        impl, site = steady._names[steady._record_keys[i]]
-        rows.append((impl, site, f, b, steady._recompute[i],
+        impl, site = steady._names[learned.record_keys[i]]
+        rows.append((impl, site, f, b, learned.recompute[i],
                      windows_host_bound(f, b, fi * 1e-9, bi * 1e-9)))
     return rows
 
@@ -66,26 +66,27 @@ def test_a_steady_step_counted_in_cpp_adds_exactly_what_pythons_rows_add(
     counted, recomputed = [], []
 
     def count(self, step, give_up):
-        batch = step.tap_batch
-        expected = _expected_rows(self, batch) if self._shape is not None and batch else None
+        batch, learned = step.tap_batch, self.learned(bool(step.calls))
+        expected = _expected_rows(self, batch, learned) if learned is not None and batch else None
         done = original(self, step, give_up)
         if done == 1:
             assert expected is not None
             by_python.count(expected)
             by_cpp.merge(*self.take())  # this step's sums alone
             counted.append(step.index)
-            recomputed.append(any(self._recompute))
+            recomputed.append(any(learned.recompute))
         return done
 
     run_original = steady_module.SteadySteps.count_run
 
     def count_run(self, steps, give_up):  # steps in a row, counted in one C++ call
-        expected = [_expected_rows(self, s.tap_batch) for s in steps]
+        learned = self.learned(False)
+        expected = [_expected_rows(self, s.tap_batch, learned) for s in steps]
         done, why = run_original(self, steps, give_up)
         for step, rows in zip(steps[:done], expected, strict=False):
             by_python.count(rows)
             counted.append(step.index)
-            recomputed.append(any(self._recompute))
+            recomputed.append(any(learned.recompute))
         if done:
             by_cpp.merge(*self.take())  # the run's sums
         return done, why
@@ -201,3 +202,45 @@ def test_steady_steps_in_a_row_are_counted_in_one_cpp_call_up_to_a_new_shape(mon
     assert samples[("fadiag_steps_unreported_total", rank)] == 10
     assert samples[("fadiag_attention_calls_total", (("impl", "cpu_flash"), ("rank", "0")))] == 30
     assert session.devices.timer("cpu").marks_in_use() == 0
+
+
+def test_a_step_that_verifies_the_order_is_resolved_in_python_and_the_bypassed_after_it_counted(
+        monkeypatch):
+    # Bypassed eager steps (steps/bypass.py) with a step the wrapper measures every fifth: that
+    # step verifies the order in Python, and leaves the bypassed steps' learned shape as it was,
+    # so the bypassed step after it is counted in C++ (or reported, where it was the newest at a
+    # pass of the resolver), not resolved in Python to learn that shape again.
+    in_cpp, verifying = [], []
+    count_run, try_resolve = steady_module.SteadySteps.count_run, resolver_module.Resolver._try_resolve
+
+    def counting_run(self, steps, give_up):
+        done, why = count_run(self, steps, give_up)
+        in_cpp.extend(s.index for s in steps[:done])
+        return done, why
+
+    def resolving(self, step):
+        verifies = step.verifies
+        resolved = try_resolve(self, step)
+        if verifies and resolved:
+            verifying.append(step.index)
+        return resolved
+
+    monkeypatch.setattr(steady_module.SteadySteps, "count_run", counting_run)
+    monkeypatch.setattr(resolver_module.Resolver, "_try_resolve", resolving)
+    session = fadiag.attach(**RATE, **{"steps.verify_every": 5})
+    try:
+        torch.manual_seed(0)
+        model = GPT(layers=2, dim=32, heads=2)
+        for seed in range(3):  # the signatures, then the order, learned
+            train(model, steps=1, seq=32, seed=seed)
+            assert session.flush(30)
+        train(model, steps=12, seq=32, seed=3)
+        assert session.flush(30)
+        reported = {r.step for r in session.history()}
+        bypassed, order = session.recorder.bypass.steps, session.recorder.tap.order
+    finally:
+        fadiag.detach()
+    # 4-7, 9-12 and 14-15 bypassed; 8 and 13 the wrapper's, each verifying the order.
+    assert bypassed == 10 and verifying == [8, 13] and order.step == 13
+    assert all(step in in_cpp or step in reported for step in (9, 14))
+    assert not set(verifying) & set(in_cpp)

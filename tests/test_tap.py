@@ -3,6 +3,8 @@ op registered from Python (as flash_attn registers its own) measured through the
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 import torch
 
@@ -131,30 +133,45 @@ def test_a_custom_op_that_mutates_its_arguments_still_bumps_their_versions(flash
 
 def test_a_step_boundarys_cut_says_what_it_holds_in_the_same_call():
     """Tap.cut_step: the batch (None when empty), its records of calls not the wrapper's, whether
-    anything in it trained, and the count of reasons the tap counted (what the boundary reads)."""
+    anything in it trained, the count of reasons the tap counted, and the calls SDPA's builtins
+    passed on while bypassing (what the boundary reads)."""
     op = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     s = fadiag.attach(tap="on", **{"exporter.enabled": False})
     try:
         tap = s.recorder.tap
         q = torch.randn(1, 2, 16, 8, requires_grad=True)
-        batch, unlinked, trained, counted = tap.cut_step()
+        batch, unlinked, trained, counted, bypassed = tap.cut_step()
         assert (batch, unlinked, trained) == (None, 0, False)
         with torch.no_grad():
             op(q, q, q)  # evaluation: recorded, nothing trained
-        batch, unlinked, trained, now = tap.cut_step()
-        assert (len(batch), unlinked, trained, now) == (1, 1, False, counted)
-        tap.release(batch)
+        assert tap.cut_step()[1:] == (1, False, counted, bypassed)
+        tap.cut_step()
         out, lse = op(q, q, q)[:2]
         out.sum().backward()  # the backward op's marks land in the forward's record
-        batch, unlinked, trained, now = tap.cut_step()
-        assert (len(batch), unlinked, trained, now) == (1, 1, True, counted)
+        batch, *rest = tap.cut_step()
+        assert (len(batch), *rest) == (1, 1, True, counted, bypassed)
         tap.release(batch)
         # A backward op whose arguments name no forward the tap saw: unpaired, counted.
         x = q.detach()
         torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             torch.ones_like(x), x, x, x, torch.zeros_like(x), lse.detach().clone(), 0.0, False)
-        batch, unlinked, trained, now = tap.cut_step()
-        assert (batch, unlinked, trained, now) == (None, 0, False, counted + 1)
+        assert tap.cut_step() == (None, 0, False, counted + 1, bypassed)
+        # SDPA's builtin, bypassing (steps/bypass.py): each call counted, as the boundary reads.
+        builtins = s.capture._builtins
+        assert builtins or sys.version_info < (3, 11)  # the builtin needs Python 3.11
+        if builtins:
+            ext = s.recorder.bypass._ext
+            for fn in builtins:
+                ext.eager_bypass(fn, True)
+            try:
+                torch.nn.functional.scaled_dot_product_attention(q, q, q)
+                torch.nn.functional.scaled_dot_product_attention(q, q, q)
+            finally:
+                for fn in builtins:
+                    ext.eager_bypass(fn, False)
+            batch, *rest = tap.cut_step()
+            assert (len(batch), *rest) == (2, 2, False, counted + 1, bypassed + 2)
+            tap.release(batch)
     finally:
         fadiag.detach()
     assert s.devices.timer("cpu").marks_in_use() == 0

@@ -246,13 +246,14 @@ class Tap:
         """The records since the last cut (a C++ batch), or None: the training thread's part."""
         return self.cut_step()[0]
 
-    def cut_step(self) -> tuple[Any, int, bool, int]:
+    def cut_step(self) -> tuple[Any, int, bool, int, int]:
         """A step boundary's cut in one C++ call: the batch (None when empty), its records of
-        calls not the wrapper's, whether anything in it trained, and a number that grows whenever
+        calls not the wrapper's, whether anything in it trained, a number that grows whenever
         a reason `counts()` reads grows, except the resolver's own (no_grad, unrecorded): a
-        cheap test, at each step boundary, that nothing moved."""
-        batch, unlinked, trained, counted = self._tap.cut_step()
-        return batch, unlinked, trained, counted + self.cuda_graph_calls
+        cheap test, at each step boundary, that nothing moved; and the calls SDPA's eager
+        builtins passed to the original while bypassing (cumulative; steps/bypass.py)."""
+        batch, unlinked, trained, counted, bypassed = self._tap.cut_step()
+        return batch, unlinked, trained, counted + self.cuda_graph_calls, bypassed
 
     def calls(self, batch: Any, call_class: Any, linked: list[Any],
               by_order: orders.EagerOrder | None = None) -> tuple[list[Any], int, int]:

@@ -28,7 +28,7 @@ class ClosedStep:
     """A step's calls, handed to the resolver."""
 
     __slots__ = ("index", "calls", "wall_time", "closed", "device", "unmeasured", "cpu_wait",
-                 "tap", "tap_batch", "order", "learn_order")
+                 "tap", "tap_batch", "order", "learn_order", "verifies")
 
     def __init__(self, index: int, calls: list[Call], device: int | None,
                  unmeasured: dict[str, int] | None = None, tap: Any = None, tap_batch: Any = None):
@@ -51,6 +51,9 @@ class ClosedStep:
         """A bypassed step's: the EagerOrder (capture/order.py) its tapped calls are named by."""
         self.learn_order = False
         """A step the eager wrapper measured whose order the resolver learns (Tap.learn_order)."""
+        self.verifies = False
+        """A step the wrapper measured, every steps.verify_every-th, to check the order bypassed
+        steps follow: resolved in Python, where its order is learned (never counted in C++)."""
 
     def drop_tap(self) -> None:
         """The step will not be resolved: the marks of its cut of the tap's records given back."""
@@ -151,11 +154,13 @@ class StepBoundaries:
         self._unmeasured_seen: dict[str, int] = {}
         self._unmeasured_moved = 0
 
-    def _closing(self, batch: Any, unlinked: int) -> tuple[Any, bool]:
+    def _closing(self, batch: Any, unlinked: int, bypassed: int) -> tuple[Any, bool, bool]:
         """The open step is closing with the tap's cut `batch` (`unlinked`: its records of calls
-        not the wrapper's): the EagerOrder its bypassed calls are named by (None: not bypassed),
-        and whether the resolver learns its order. The Recorder's; here neither."""
-        return None, False
+        not the wrapper's; `bypassed`: the calls SDPA's builtins passed on while bypassing, from
+        the same C++ call): the EagerOrder its bypassed calls are named by (None: not bypassed),
+        whether the resolver learns its order, and whether that verifies the order bypassed steps
+        follow. The Recorder's; here none."""
+        return None, False, False
 
     def _sampled(self, index: int) -> bool:
         return self.every_n_steps <= 1 or index % self.every_n_steps == 0
@@ -196,9 +201,9 @@ class StepBoundaries:
                 self.calls = merged + self.calls
                 self._phases = []
             tap = self.tap
-            batch, unlinked, trained, counted = (
-                tap.cut_step() if tap is not None else (None, 0, False, 0))
-            order, learn = self._closing(batch, unlinked)
+            batch, unlinked, trained, counted, bypassed = (
+                tap.cut_step() if tap is not None else (None, 0, False, 0, 0))
+            order, learn, verifies = self._closing(batch, unlinked, bypassed)
             if batch is not None and not self.record_no_grad and not trained:
                 tap.discard(batch, Call)  # evaluation only: counted as no_grad, marks back
                 batch = None
@@ -214,7 +219,7 @@ class StepBoundaries:
             if self.calls or batch is not None or empty_step:
                 closed = ClosedStep(self.step_index, self.calls, self._step_device(),
                                     self._unmeasured_since(counted), tap, batch)
-                closed.order, closed.learn_order = order, learn
+                closed.order, closed.learn_order, closed.verifies = order, learn, verifies
             self.calls = []
             self.calls_since_boundary = 0
             self.sites.new_pass()

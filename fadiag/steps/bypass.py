@@ -86,25 +86,21 @@ class Bypass:
             self.order = None
             self._on_error("recorder.bypass", e)
 
-    def learns(self, rec: Any) -> bool:
-        """Whether the resolver learns the order of the closing step, which the wrapper measured:
-        no order in use, or a step that verifies it."""
+    def learns(self, rec: Any) -> tuple[bool, bool]:
+        """Whether the resolver learns the order of the closing step, which the wrapper measured
+        (no order in use, or a step that verifies it), and whether the step verifies one."""
         tap = rec.tap
         if not self._builtins or self.verify_every <= 0 or tap is None:
-            return False
-        return self._verify or not self._usable(tap.order)
+            return False, False
+        return self._verify or not self._usable(tap.order), self._verify
 
-    def closing(self, rec: Any, batch: Any, recorded: int) -> EagerOrder | None:
+    def closing(self, rec: Any, batch: Any, recorded: int, total: int) -> EagerOrder | None:
         """The bypassed step closing with the tap's cut `batch`, `recorded` of its records not
-        the wrapper's calls: its calls counted into the recorder's, and the order that names them
-        (an empty one where they cannot be named)."""
+        the wrapper's calls, and `total` the builtins' calls (`_calls()`, read in the cut's C++
+        call): its calls counted into the recorder's, and the order that names them (an empty
+        one where they cannot be named)."""
         order = self.order
         assert order is not None
-        try:
-            total = self._calls()
-        except Exception as e:
-            self._on_error("recorder.bypass", e)
-            return order
         calls, self._seen = total - self._seen, total
         rec.calls_since_boundary += calls
         if calls or recorded:  # else a boundary with nothing in the step (a flush)
@@ -135,7 +131,7 @@ class Bypass:
 
     def _calls(self) -> int:
         """Calls SDPA's builtins passed to the original while bypassing (cumulative)."""
-        return sum(self._ext.eager_bypassed(fn) for fn in self._builtins)
+        return int(self._ext.eager_bypassed())
 
     def _missed(self, step: int) -> None:
         """A bypassed step did not match its order: the wrapper measures until a new one is

@@ -134,10 +134,10 @@ class Recorder(StepBoundaries):
         """SDPA's eager builtins, which bypassed steps run through (Bypass.use)."""
         self.bypass.use(ext, builtins)
 
-    def _closing(self, batch: Any, unlinked: int) -> tuple[Any, bool]:
+    def _closing(self, batch: Any, unlinked: int, bypassed: int) -> tuple[Any, bool, bool]:
         if self.bypass.order is None:
-            return None, self.bypass.learns(self)
-        return self.bypass.closing(self, batch, unlinked), False
+            return None, *self.bypass.learns(self)
+        return self.bypass.closing(self, batch, unlinked, bypassed), False, False
 
     # ---- the wrapper -----------------------------------------------------------------------
 

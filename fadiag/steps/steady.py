@@ -5,7 +5,9 @@ With a report rate set, most steps of a launch-bound job are counted, not report
 read, rows summed into the metrics) costs the training step about its own CPU time wherever it
 runs, since the training thread and the autograd engine's want the GIL back all the time
 (benchmarks/BENCHMARKS.md, runs 67-79). So the resolver learns the shape of each step it resolves
-in Python, and a later step of the same shape, whose calls are the same (impl, site,
+in Python, one of each kind (with calls of the eager wrapper's; with none: bypassed or compiled
+steps, so that a step the wrapper measures to verify an order leaves the bypassed steps' shape
+learned), and a later step of the same shape, whose calls are the same (impl, site,
 recomputation), is counted by the dispatcher tap's C++ (`Tally` in capture/_native/tap.cpp): the
 marks read without the GIL, the seconds summed per key as `Metrics.count` sums rows, the marks
 given back. Steps with no call of the eager wrapper's (bypassed eager steps, compiled ones) that
@@ -39,23 +41,38 @@ Summed = tuple[int, list[int], float, list[KeySums]]
 """What `take` hands over: steps, the step histogram's counts and sum, and each key's sums."""
 
 
+class _Learned:
+    """What `SteadySteps.learn` keeps of one steady step: its cut's shape, each record's key and
+    whether it is a recomputation, the order that named its bypassed calls (None: not bypassed),
+    and its linked calls (the eager wrapper's), in order: impl, site, recomputation."""
+
+    __slots__ = ("shape", "record_keys", "recompute", "order", "linked")
+
+    def __init__(self, shape: int, record_keys: list[int], recompute: list[bool], order: Any,
+                 linked: list[tuple[str, str, bool]]):
+        self.shape, self.record_keys, self.recompute = shape, record_keys, recompute
+        self.order, self.linked = order, linked
+
+
 class SteadySteps:
-    """The shape of the last steady step resolved in Python, and the C++ tally of steps like it."""
+    """The last steady step resolved in Python, of each kind (with calls of the eager wrapper's or
+    none), and the C++ tally of steps like it."""
 
     def __init__(self, tap: Any, bounds: Sequence[float]):
         self.tap = tap
         self._tally = tap.tally(list(bounds), HOST_BOUND_SHARE)
         self._keys: dict[tuple[str, str], int] = {}
         self._names: list[tuple[str, str]] = []
-        self._shape: int | None = None
-        self._record_keys: list[int] = []
-        self._recompute: list[bool] = []
-        self._order: Any = None
-        """The EagerOrder that named the learned step's bypassed calls (None: not bypassed)."""
-        self._linked: list[tuple[str, str, bool]] = []
-        """The step's linked calls (the eager wrapper's), in order: impl, site, recomputation."""
+        self._learned: dict[bool, _Learned] = {}
+        """By whether the step had calls of the eager wrapper's: a step the wrapper measures
+        every steps.verify_every-th leaves the bypassed steps' shape learned, and the next
+        bypassed step is counted in C++ too."""
         self.counted = 0
         """Steps counted here (cumulative)."""
+
+    def learned(self, wrapper: bool) -> _Learned | None:
+        """The step learned with (`wrapper`) or without calls of the eager wrapper's, or None."""
+        return self._learned.get(wrapper)
 
     def before(self, step: ClosedStep) -> tuple[int, list[int], list[int], Any] | None:
         """What learning `step`'s shape needs from its cut, read before its records are joined to
@@ -67,60 +84,72 @@ class SteadySteps:
 
     def learn(self, seen: tuple[int, list[int], list[int], Any] | None, calls: list[Call]) -> None:
         """`calls`, a steady step's calls joined to its records (`seen`: `before`'s): every record
-        one call, its key learned. Anything else forgets the shape."""
-        self._shape = None
+        one call, its key learned for steps of its kind. Anything else forgets what was learned."""
+        learned = self._learn(seen, calls)
+        if learned is None:
+            self._learned.clear()
+        else:
+            self._learned[bool(learned.linked)] = learned
+
+    def _learn(self, seen: tuple[int, list[int], list[int], Any] | None,
+               calls: list[Call]) -> _Learned | None:
         if seen is None:
-            return
+            return None
         shape, firsts, links, order = seen
         by_first = {c.fwd0: c for c in calls}
         linked = [c for c in calls if c.link]
         if (len(firsts) != len(calls) or len(by_first) != len(calls)
                 or [c.link for c in linked] != links):
-            return
+            return None
         ordered = [by_first.get(f) for f in firsts]
         if any(c is None or c.sig is None for c in ordered):
-            return
-        self._record_keys = [self._key(c.sig.impl, c.site) for c in ordered]  # type: ignore[union-attr]
-        self._recompute = [bool(c.recompute) for c in ordered]  # type: ignore[union-attr]
-        self._linked = [(c.sig.impl, c.site, bool(c.recompute)) for c in linked]  # type: ignore[union-attr]
-        self._shape = shape
-        self._order = order
+            return None
+        return _Learned(
+            shape,
+            [self._key(c.sig.impl, c.site) for c in ordered],  # type: ignore[union-attr]
+            [bool(c.recompute) for c in ordered],  # type: ignore[union-attr]
+            order,
+            [(c.sig.impl, c.site, bool(c.recompute)) for c in linked])  # type: ignore[union-attr]
 
     def count(self, step: ClosedStep, give_up: bool) -> int:
-        """Count `step` in C++ if it is shaped as the learned one and its calls are the same:
-        1 counted (its cut consumed), 0 a mark the device has not passed, -1 Python's to resolve
-        (nothing changed)."""
-        batch = step.tap_batch
-        if not self._learned_for(step):
-            return -1
+        """Count `step` in C++ if it is shaped as the learned one of its kind and its calls are
+        the same: 1 counted (its cut consumed), 0 a mark the device has not passed, -1 Python's to
+        resolve (nothing changed)."""
         calls = step.calls
-        if len(calls) != len(self._linked):
+        learned = self._learned_for(step, bool(calls))
+        if learned is None or len(calls) != len(learned.linked):
             return -1
-        for c, (impl, site, recompute) in zip(calls, self._linked, strict=True):
+        for c, (impl, site, recompute) in zip(calls, learned.linked, strict=True):
             sig = c.sig
             if (sig is None or not c.link or c.aborted or c.probe or sig.impl != impl
                     or c.site != site or bool(c.recompute) != recompute):
                 return -1
-        if batch.shape() != self._shape or batch.link_numbers() != [c.link for c in calls]:
+        batch = step.tap_batch
+        if batch.shape() != learned.shape or batch.link_numbers() != [c.link for c in calls]:
             return -1
-        done = self.tap.count(batch, self._tally, self._record_keys, self._recompute, give_up)
+        done = self.tap.count(batch, self._tally, learned.record_keys, learned.recompute,
+                              give_up)
         if done == 1:
             step.tap = step.tap_batch = None
             self.counted += 1
         return done
 
     def in_run(self, step: ClosedStep) -> bool:
-        """Whether `step` may be counted with others in one C++ call (`count_run`): a learned step
-        with no call of the eager wrapper's, and `step` one with none either, nothing unmeasured,
-        named by the same order (its cut's shape is checked in C++)."""
-        return not self._linked and not step.calls and self._learned_for(step)
+        """Whether `step` may be counted with others in one C++ call (`count_run`): a step with no
+        call of the eager wrapper's, one like it learned, nothing unmeasured, named by the same
+        order (its cut's shape is checked in C++)."""
+        return not step.calls and self._learned_for(step, False) is not None
 
-    def _learned_for(self, step: ClosedStep) -> bool:
-        """Whether the learned step may stand for `step` at all: a shape learned, a cut of this
-        tap's, nothing unmeasured, and its calls named by the same order, unbroken."""
-        return (self._shape is not None and step.tap_batch is not None and step.tap is self.tap
-                and not step.unmeasured and step.order is self._order
-                and (step.order is None or not step.order.broken))
+    def _learned_for(self, step: ClosedStep, wrapper: bool) -> _Learned | None:
+        """The step learned of `step`'s kind (`wrapper`: with calls of the eager wrapper's), where
+        it may stand for `step` at all: a cut of this tap's, nothing unmeasured, not a step that
+        verifies an order (Python learns it), and its calls named by the same order, unbroken."""
+        learned = self._learned.get(wrapper)
+        if (learned is None or step.tap_batch is None or step.tap is not self.tap
+                or step.unmeasured or step.verifies or step.order is not learned.order
+                or (step.order is not None and step.order.broken)):
+            return None
+        return learned
 
     def count_head(self, pending: Any, newest: ClosedStep | None, due: Callable[[float], bool],
                    grace_s: float) -> tuple[int, int]:
@@ -145,9 +174,9 @@ class SteadySteps:
         """Steps that are all `in_run`, counted in order in one C++ call, as `count` counts each:
         how many were (their cuts consumed), and why the next was not (0 a mark the device has
         not passed, -1 Python's to resolve, 1 none left)."""
-        assert self._shape is not None
-        counted, why = self.tap.count_run([s.tap_batch for s in steps], self._shape,
-                                          self._tally, self._record_keys, self._recompute,
+        learned = self._learned[False]
+        counted, why = self.tap.count_run([s.tap_batch for s in steps], learned.shape,
+                                          self._tally, learned.record_keys, learned.recompute,
                                           give_up)
         for step in steps[:counted]:
             step.tap = step.tap_batch = None

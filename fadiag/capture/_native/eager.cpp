@@ -26,6 +26,10 @@ void tap_exit();                            // and ends (Tap.exit)
 
 namespace {
 
+// Calls every builtin passed to its original while bypassing (cumulative, under the GIL): the
+// step boundary reads it in the same C++ call as its cut of the tap's records (Tap.cut_step).
+int64_t g_bypassed = 0;
+
 constexpr const char* kCapsule = "fadiag.EagerWrapper";
 
 // The builtin's state (its `__self__` is a capsule holding this).
@@ -60,7 +64,6 @@ class EagerWrapper {
   // and the dispatcher tap times it as it times compiled code's; the resolver names it from the
   // last verified step. The recorder turns it on and off at step boundaries only.
   void set_bypass(bool on) { bypass_ = on; }
-  int64_t bypassed() const { return bypassed_; }
 
   static PyObject* entry(PyObject* self, PyObject* args, PyObject* kwargs) {
     auto* w = static_cast<EagerWrapper*>(PyCapsule_GetPointer(self, kCapsule));
@@ -71,7 +74,7 @@ class EagerWrapper {
   PyObject* call(PyObject* args, PyObject* kwargs) {
     if (recorder_.is_none() || compiling()) return PyObject_Call(original_.ptr(), args, kwargs);
     if (bypass_) {
-      ++bypassed_;  // under the GIL, as the recorder reads it
+      ++g_bypassed;
       return PyObject_Call(original_.ptr(), args, kwargs);
     }
     // Held for the call: a detach on another thread may unbind this builtin while it runs.
@@ -190,7 +193,6 @@ class EagerWrapper {
   }
 
   bool bypass_ = false;
-  int64_t bypassed_ = 0;
   py::object original_, compiler_;
   py::object python_ = py::none(), recorder_ = py::none(), op_ = py::none();
   std::string name_, doc_;
@@ -212,6 +214,8 @@ EagerWrapper* wrapper_of(py::handle fn) {
 }
 
 }  // namespace
+
+int64_t eager_bypassed() { return g_bypassed; }
 
 void bind_eager(py::module_& m) {
   // A builtin function calling `original`, named and documented as it is; `compiler`: the
@@ -235,12 +239,13 @@ void bind_eager(py::module_& m) {
   m.def("eager_bound", [](py::handle fn) { return wrapper_of(fn)->bound(); });
   m.def("eager_original", [](py::handle fn) { return wrapper_of(fn)->original(); });
   m.def("eager_bypass", [](py::handle fn, bool on) { wrapper_of(fn)->set_bypass(on); });
-  m.def("eager_bypassed", [](py::handle fn) { return wrapper_of(fn)->bypassed(); });
+  m.def("eager_bypassed", &eager_bypassed);
 }
 
 #else
 
 void bind_eager(py::module_&) {}  // FastBegin needs Python 3.11: the Python wrapper stays
+int64_t eager_bypassed() { return 0; }
 
 #endif
 

@@ -82,6 +82,8 @@
 
 namespace fadiag {
 
+int64_t eager_bypassed();  // eager.cpp: calls SDPA's builtins passed on while bypassing
+
 #ifdef FADIAG_TAP
 namespace {
 
@@ -929,15 +931,16 @@ class Tap {
 
   bool installed() const { return !libraries_.empty(); }
   void set_measuring(bool on) { state_->set_measuring(on); }
-  // A step boundary's cut, with what the boundary reads of it, in one call from the training
-  // thread (each C++ call right after the optimizer's step runs cold): (the batch, None when
-  // empty; its unlinked records; whether anything in it trained; counted()).
+  // A step boundary's cut, with what the boundary reads of it and beside it, in one call from
+  // the training thread (each C++ call right after the optimizer's step runs cold): (the batch,
+  // None when empty; its unlinked records; whether anything in it trained; counted(); the calls
+  // SDPA's builtins passed on while bypassing, cumulative).
   py::tuple cut_step() {
     Batch batch{state_->cut()};
     const int64_t unlinked = batch.unlinked();
     const bool trained = batch.trained();
     py::object out = batch.records.empty() ? py::object(py::none()) : py::cast(std::move(batch));
-    return py::make_tuple(out, unlinked, trained, state_->counted());
+    return py::make_tuple(out, unlinked, trained, state_->counted(), eager_bypassed());
   }
   void release(Batch& batch) { state_->release(batch.records); }
   int count(Batch& batch, Tally& tally, const std::vector<int64_t>& keys,
