@@ -185,15 +185,15 @@ class TapState {
 
   Pool* pool_of(const Record& r) const { return r.cuda ? cuda_.get() : cpu_.get(); }
 
-  // Every mark of `records` given back, and the records dropped: a cut that will not be resolved.
+  // Every mark of `records` given back, one lock of each pool's free list, and the records
+  // dropped: a cut counted, or one that will not be resolved.
   void release(std::vector<Record>& records) {
+    std::vector<int64_t> slots[2];  // the CPU pool's, the CUDA pool's
     for (const Record& r : records) {
-      Pool* pool = pool_of(r);
-      if (pool == nullptr) continue;
-      for (int64_t slot : {r.f0, r.f1, r.b0, r.b1}) {
-        if (slot >= 0) pool->give_back(slot);
-      }
+      for (int64_t slot : {r.f0, r.f1, r.b0, r.b1}) slots[r.cuda ? 1 : 0].push_back(slot);
     }
+    if (cpu_ != nullptr) cpu_->give_back_all(slots[0]);
+    if (cuda_ != nullptr) cuda_->give_back_all(slots[1]);
     records.clear();
   }
 
