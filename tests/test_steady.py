@@ -41,7 +41,7 @@ def _samples(metrics: Metrics) -> dict:
 
 def _expected_rows(steady, batch, learned) -> list:
     """The rows Python's path makes of `batch`'s records (read before C++ gives the marks back):
-    the marks read by the timer's own `seconds`, named by the keys `learned` (a step of its kind)."""
+    the marks read by the timer's own `seconds`, named by the keys of `learned` (its kind's)."""
     linked, compiled = batch.links(), batch.rows()
     assert not (linked and compiled)  # one kind a step in these models: records stay in order
     quads = [(r[1], r[2], r[3], r[4]) for r in linked or compiled]
@@ -211,7 +211,8 @@ def test_a_step_that_verifies_the_order_is_resolved_in_python_and_the_bypassed_a
     # so the bypassed step after it is counted in C++ (or reported, where it was the newest at a
     # pass of the resolver), not resolved in Python to learn that shape again.
     in_cpp, verifying = [], []
-    count_run, try_resolve = steady_module.SteadySteps.count_run, resolver_module.Resolver._try_resolve
+    count_run = steady_module.SteadySteps.count_run
+    try_resolve = resolver_module.Resolver._try_resolve
 
     def counting_run(self, steps, give_up):
         done, why = count_run(self, steps, give_up)

@@ -41,8 +41,8 @@ class SamplingConfig:
     the newest step at each pass of the resolver, are always reported. A counted step shaped
     like the last of its kind that was resolved in Python (the same calls, the same sites; steps
     with the eager wrapper's calls and steps with none are two kinds) is counted by the dispatcher
-    tap's C++, with no Python per call. For launch-bound jobs with many steps a second, where a report
-    per step costs the host (benchmarks/BENCHMARKS.md §4)."""
+    tap's C++, with no Python per call. For launch-bound jobs with many steps a second, where a
+    report per step costs the host (benchmarks/BENCHMARKS.md §4)."""
 
     def __post_init__(self) -> None:
         _validate(self)
