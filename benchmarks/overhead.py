@@ -30,6 +30,7 @@ from marks_first import marks_first  # noqa: E402
 
 import fadiag  # noqa: E402
 from fadiag.capture import eager as eager_module  # noqa: E402
+from fadiag.steps import quiet as quiet_module  # noqa: E402
 from fadiag.steps import resolver as resolver_module  # noqa: E402
 
 
@@ -106,6 +107,7 @@ def make(name: str):
 
 batch_s = resolver_module._BATCH_S
 eager_unavailable = eager_module.unavailable
+quiet_arm = quiet_module.QuietSteps.arm
 ATTACH_DEFAULTS: dict = {}
 """Configuration every fadiag variant attaches with (other scripts set e.g. a CPU device)."""
 
@@ -157,6 +159,10 @@ def variant(name: str, model: nn.Module):
             # The resolver wakes every N s, not every _BATCH_S (0.5 s): fewer or more steps
             # resolved a wake, back to back in its backward windows.
             resolver_module._BATCH_S = float(name.rpartition("_")[2])
+        if name.startswith("fadiag_no_quiet"):
+            # Every step closed by the Python boundary: the hook that closes steady bypassed steps
+            # in C++ (steps/quiet.py) never armed, as before it.
+            quiet_module.QuietSteps.arm = lambda self, rec: None
         if name == "fadiag_python_wrapper":
             # SDPA's Python wrapper kept (not the builtin, capture/eager.py): every steady eager
             # call in two Python frames, as before the builtin.
@@ -225,12 +231,15 @@ def variant(name: str, model: nn.Module):
             yield settle
         finally:
             resolver_module._BATCH_S = batch_s
+            quiet_module.QuietSteps.arm = quiet_arm
             MARKS_SEEN.setdefault(name, set()).update(session.devices.marks().values())
             tap = session.recorder.tap
             if tap is not None and tap.backward_starts():
                 MARKS_SEEN[name].add("tap")  # the tap timed calls of this block
             if session.recorder.bypass.steps:
                 MARKS_SEEN[name].add("bypassed")  # steps of this block ran bypassed
+            if session.recorder.quiet is not None and session.recorder.quiet.closed:
+                MARKS_SEEN[name].add("quiet")  # steps of this block closed in C++
             if tap_only:
                 F.scaled_dot_product_attention = wrapped
             fadiag.detach()

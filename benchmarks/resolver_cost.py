@@ -39,6 +39,7 @@ import overhead  # noqa: E402
 from in_situ import phased_step, setup_device  # noqa: E402
 
 import fadiag  # noqa: E402
+from fadiag import session as session_module  # noqa: E402
 from fadiag.capture import host, tap  # noqa: E402
 from fadiag.steps import boundary, recorder, resolver  # noqa: E402
 
@@ -53,11 +54,13 @@ PIECES = (
     ("rules", "evaluate", "    rules"),
     ("sinks", "emit", "    sinks"),
     ("metrics", "count", "  a counted step's rows, counted"),
-    (boundary.StepBoundaries, "boundary", "step boundary, training thread"),
-    (tap.Tap, "cut_step", "  the tap's records cut"),
-    (recorder.Recorder, "_closing", "  a bypassed step's calls counted"),
-    (recorder.Recorder, "_next_step", "  the next step opened"),
-    (host.CpuWait, "read", "  the CPU wait read (CPU steps)"),
+    (session_module.Session, "_on_optimizer_step", "optimizer's hook, training thread"),
+    (boundary.StepBoundaries, "boundary", "  step boundary in Python"),
+    (recorder.Recorder, "_take_quiet", "    steps closed in C++ handed over"),
+    (tap.Tap, "cut_step", "    the tap's records cut"),
+    (recorder.Recorder, "_closing", "    a bypassed step's calls counted"),
+    (recorder.Recorder, "_next_step", "    the next step opened"),
+    (host.CpuWait, "read", "    the CPU wait read (CPU steps)"),
 )
 
 
@@ -143,7 +146,7 @@ def main() -> None:
     print(f"device {args.device}, torch {torch.__version__}; {args.steps} launch-bound steps, "
           f"{calls:g} calls a step; {where}, median µs a call (calls a step; mean µs a step); "
           f"reports_per_second {args.reports_per_second:g}")
-    steps = len(times["step boundary, training thread"]) or 1
+    steps = len(times["optimizer's hook, training thread"]) or 1
     for _, _, label in PIECES:
         v = times[label]
         if v:

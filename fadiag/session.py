@@ -174,7 +174,7 @@ class Session:
     # ---- callbacks -------------------------------------------------------------------------
 
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
-        self.recorder.boundary("optimizer")
+        self.recorder.step_hook()
 
     def _on_step(self, closed: ClosedStep) -> None:
         # Host-clock timings carry every preemption: read, at the boundary, how long the

@@ -475,6 +475,53 @@ def test_bypassed_eager_steps_report_as_the_wrapper_measures_them():
     assert session.errors == 0
 
 
+def test_steady_bypassed_steps_close_in_cpp_at_the_optimizer_step(monkeypatch):
+    """steps/quiet.py on a card: every bypassed step that opens another bypassed one is closed by
+    the tap's C++ hook, not the Python boundary; each is reported as the wrapper measures it."""
+    from fadiag.steps import quiet
+    from fadiag.steps.boundary import ClosedStep
+
+    class ClosedInCpp(ClosedStep):  # what QuietSteps.take makes of a step the hook closed
+        __slots__ = ()
+
+    monkeypatch.setattr(quiet, "ClosedStep", ClosedInCpp)
+    monkeypatch.setattr(quiet, "_CAP_S", 60.0)  # runs as long as the verify cadence allows
+    model = GPT(layers=4, dim=256, heads=4, vocab=128).cuda().to(torch.bfloat16)
+    opt = torch.optim.AdamW(model.parameters(), fused=True)
+    tokens = torch.randint(0, 128, (4, 512), device="cuda")
+    session = attach("tap", **{"steps.verify_every": 10})
+    handed: list[tuple[int, bool, bool]] = []  # index, bypassed, closed in C++
+    submit = session.resolver.submit
+    session.resolver.submit = lambda step: (
+        handed.append((step.index, step.order is not None, isinstance(step, ClosedInCpp))),
+        submit(step))
+
+    def steps(n: int, flush: bool) -> None:
+        for _ in range(n):
+            model(tokens).float().pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if flush:
+                assert session.flush(30)
+
+    steps(3, flush=True)  # the signatures, then the order learned
+    steps(40, flush=False)  # 4-12 bypassed, 13 verifies; ... 34-42, 43
+    assert session.flush(30)
+    closed = [i for i, _, in_cpp in handed if in_cpp]
+    # Each bypassed step that opens another, but step 4, whose hook the flush before it disarmed.
+    assert closed == [a[0] for a, b in zip(handed, handed[1:], strict=False)
+                      if a[1] and b[1] and a[0] != 4]
+    assert len(closed) == session.recorder.quiet.closed == 31
+    reports = session.history()
+    assert [r.step for r in reports] == list(range(1, 44))
+    sites = [c.site for c in reports[2].calls]
+    for r in reports[3:]:
+        assert [c.site for c in r.calls] == sites
+        assert all(c.forward_seconds > 0 and c.backward_seconds > 0 for c in r.calls)
+    assert session.devices.timer("cuda").marks_in_use() == 0
+    assert session.errors == 0
+
+
 def test_the_hang_signal_sees_a_tapped_call_the_device_has_not_passed():
     import time
 

@@ -194,14 +194,12 @@ class Tap:
         self._resolutions = 0
         self._claimed_below = 0
         self.unrecorded = 0
-        """Linked calls the tap has no record of (cut off by the per-step cap, an unreadable
-        argument, an error): not measured."""
+        """Linked calls with no record (the per-step cap, an unreadable argument, an error)."""
         self.order: orders.EagerOrder | None = None
         """The order bypassed eager steps are named by (the resolver's, read at step boundaries)."""
         self.ops: list[str] = []
         self.how: dict[str, str] = {}
-        """How each op is tapped: "typed" (aten's, unboxed), "boxed", or "wrapped" (the op's own
-        kernel at the tap's key called by the tap's)."""
+        """Per op: "typed" (aten's, unboxed), "boxed", or "wrapped" (its own kernel called)."""
 
     def install(self) -> None:
         found = specs()
@@ -254,6 +252,10 @@ class Tap:
         builtins passed to the original while bypassing (cumulative; steps/bypass.py)."""
         batch, unlinked, trained, counted, bypassed = self._tap.cut_step()
         return batch, unlinked, trained, counted + self.cuda_graph_calls, bypassed
+
+    def quiet_steps(self, recorder: Any, fallback: Any) -> Any:
+        """The optimizer hook that closes steady bypassed steps in C++ (steps/quiet.py)."""
+        return self._tap.quiet_steps(recorder, self, fallback)
 
     def calls(self, batch: Any, call_class: Any, linked: list[Any],
               by_order: orders.EagerOrder | None = None) -> tuple[list[Any], int, int]:

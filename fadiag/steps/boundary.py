@@ -153,6 +153,12 @@ class StepBoundaries:
         kernels while another thread dispatches ops is not safe)."""
         self._unmeasured_seen: dict[str, int] = {}
         self._unmeasured_moved = 0
+        self.quiet: Any = None
+        """Steady bypassed steps closed in C++ at the optimizer's step (steps/quiet.py), with the
+        tap."""
+        self.step_hook: Callable[[], None] = self.optimizer_step
+        """What the optimizer's post hook calls: `optimizer_step`, or the C++ hook that closes
+        steady bypassed steps itself and calls it for the others (steps/quiet.py)."""
 
     def _closing(self, batch: Any, unlinked: int, bypassed: int) -> tuple[Any, bool, bool]:
         """The open step is closing with the tap's cut `batch` (`unlinked`: its records of calls
@@ -189,10 +195,16 @@ class StepBoundaries:
                 self.calls = calls
                 self.boundary("fallback")
 
+    def optimizer_step(self) -> None:
+        """An optimizer's step ended (its post hook)."""
+        self.boundary("optimizer")
+
     def boundary(self, source: str) -> None:
         """End the current step. One with no attention is reported only at an optimizer step
         (it still counts as a step); other boundaries without attention are ignored."""
         try:
+            if self.quiet is not None:  # the steps closed in C++ since the last, first
+                self.quiet.take(self)
             if source in ("optimizer", "manual") and not self.optimizer_seen:
                 self.optimizer_seen = True
                 self.fallback_mode = False
@@ -297,13 +309,16 @@ class StepBoundaries:
 
     def _step_device(self) -> int | None:
         """The current device of the step's accelerator, as this step's calls saw it."""
-        timer = None
         for c in self.calls:
             if c.timer.kind != "cpu":
-                timer = c.timer
-                break
-        if timer is None and self.tap is not None:  # compiled code's calls only
-            timer = self.tap.timers.get("cuda")
+                return self._device_of(c.timer)
+        return self._tap_device()  # compiled code's calls only, or bypassed ones
+
+    def _tap_device(self) -> int | None:
+        """The current device of the tap's CUDA timer (None without one)."""
+        return self._device_of(self.tap.timers.get("cuda") if self.tap is not None else None)
+
+    def _device_of(self, timer: Any) -> int | None:
         try:
             return None if timer is None else self._current(timer)
         except Exception:  # the resolver then reads the current device's, as it would anyway

@@ -86,6 +86,20 @@ class Bypass:
             self.order = None
             self._on_error("recorder.bypass", e)
 
+    def quiet_budget(self) -> int:
+        """Steps that may still close bypassed in C++ (steps/quiet.py) after the open one before
+        the wrapper measures one to verify the order: each opens the next bypassed."""
+        return self.verify_every - 1 - self._in_row
+
+    def closed_quietly(self, steps: int, seen: int) -> None:
+        """`steps` bypassed steps closed in C++, each matching its order as `closing` finds, and
+        the next opened bypassed as `next_order` does; `seen`: the builtins' calls counted at the
+        last."""
+        self.steps += steps
+        self._since_miss += steps
+        self._in_row += steps
+        self._seen = seen
+
     def learns(self, rec: Any) -> tuple[bool, bool]:
         """Whether the resolver learns the order of the closing step, which the wrapper measured
         (no order in use, or a step that verifies it), and whether the step verifies one."""

@@ -32,6 +32,7 @@ from ..capture.graph import (
 from ..capture.ops import mask_key, quick_sdpa
 from .boundary import ClosedStep, StepBoundaries
 from .bypass import Bypass
+from .quiet import QuietSteps
 
 _CONFIG_EVERY_S = 1.0
 """How often, at most, a step boundary reads dynamo's compiled_autograd config flag: the read
@@ -112,6 +113,8 @@ class Recorder(StepBoundaries):
     def stop(self) -> None:
         self.enabled = False
         self.measuring = False
+        if self.quiet is not None:
+            self.quiet.disarm()
         self.bypass.set(None)
         if self.tap is not None:  # a forked child keeps the registrations: they pass through
             self.tap.set_measuring(False)
@@ -127,6 +130,8 @@ class Recorder(StepBoundaries):
         if time.monotonic() - self._config_read_at >= _CONFIG_EVERY_S:
             self._read_config()
         self.bypass.set(self.bypass.next_order(self))
+        if self.quiet is not None:
+            self.quiet.arm(self)
 
     # ---- bypassed steps (steps/bypass.py) -------------------------------------------------
 
@@ -278,6 +283,9 @@ class Recorder(StepBoundaries):
         """The tap installed (or None: removed). Each signature is learned again, so that the tap
         times what it can, and a backward op it times on a timer of its own counts as a
         backward seen."""
+        if self.quiet is not None:  # steps closed on the old tap, handed over while it is the tap
+            self.quiet.take(self)
+            self.quiet = None
         self.tap = tap
         self._unmeasured_moved = -1  # the next boundary reads the totals whole
         self._tap_timers = [] if tap is None else [
@@ -285,6 +293,8 @@ class Recorder(StepBoundaries):
         self.signatures.clear()
         self._fast = self._fast_timer = self._fast_op = self._fast_call = None
         self.bypass.set(None)
+        self.quiet = None if tap is None else QuietSteps(tap, self, self.optimizer_step)
+        self.step_hook = self.optimizer_step if self.quiet is None else self.quiet.native.step
 
     def _remember(self, op: AttentionOp, args: tuple[Any, ...], kwargs: dict[str, Any],
                   sig: Signature, timer: Any) -> None:

@@ -172,15 +172,32 @@ class TapState {
 
   // Every record since the last cut, moved out (a swap: the training thread's part of a drain).
   std::vector<Record> cut() {
-    std::vector<Record> records;
     std::lock_guard<std::mutex> lock(mu_);
-    records.swap(records_);
-    first_id_ = next_id_;
-    by_ptr_.clear();
-    phase_ = 0;
-    backward_since_forward_ = false;
-    waiting_ = 0;
-    return records;
+    return cut_locked();
+  }
+
+  // A quiet step's cut (QuietSteps): taken only where the records are `calls` calls none of the
+  // wrapper's (no link), something trained, and nothing was counted since `counted` (counted()),
+  // as the Python boundary's cut would be closed as a matching bypassed step; else nothing is cut.
+  std::optional<std::vector<Record>> cut_if_quiet(int64_t calls, int64_t counted_before) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (calls <= 0 || static_cast<int64_t>(records_.size()) != calls ||
+        counted() != counted_before) {
+      return std::nullopt;
+    }
+    bool trained = false;
+    for (const Record& r : records_) {
+      if (r.link != 0) return std::nullopt;
+      trained = trained || r.b0 >= 0 || r.recompute;
+    }
+    if (!trained) return std::nullopt;
+    return cut_locked();
+  }
+
+  // A step boundary's reset of the pools' backward state (NativeTimer.reset_in_backward).
+  void reset_in_backward() {
+    if (cpu_ != nullptr) cpu_->reset_in_backward();
+    if (cuda_ != nullptr) cuda_->reset_in_backward();
   }
 
   Pool* pool_of(const Record& r) const { return r.cuda ? cuda_.get() : cpu_.get(); }
@@ -574,6 +591,17 @@ class TapState {
     if (--waiting_ <= 0) pool->tap_window(false);
   }
 
+  std::vector<Record> cut_locked() {
+    std::vector<Record> records;
+    records.swap(records_);
+    first_id_ = next_id_;
+    by_ptr_.clear();
+    phase_ = 0;
+    backward_since_forward_ = false;
+    waiting_ = 0;
+    return records;
+  }
+
   std::shared_ptr<Pool> cpu_, cuda_;
   int64_t max_records_;
   std::atomic<bool> measuring_{true};
@@ -854,6 +882,121 @@ int64_t get(const py::dict& d, const char* key, int64_t fallback) {
   return d.contains(key) ? d[key].cast<int64_t>() : fallback;
 }
 
+// Steady bypassed eager steps closed at the optimizer's step with no Python (fadiag/steps/quiet.py):
+// the recorder's optimizer hook. Armed by the step boundary's Python for the steps that may still
+// be bypassed before one verifies the order, it closes each step the Python boundary would close
+// as a bypassed step matching its calls with nothing else to do: no call of the wrapper's, nothing
+// pending or counted, the same unbroken order, the builtins' calls all the tap's records. Such a
+// step's cut is kept here, with its times; anything else disarms it and the step goes to
+// `fallback` (the Python boundary), which first takes the steps closed here (`take`) and hands
+// them over in order. What it reads of the recorder, the tap and the order are Python attributes,
+// under the GIL, where the boundary reads them; nothing thrown here reaches the optimizer.
+class QuietSteps {
+ public:
+  QuietSteps(std::shared_ptr<TapState> state, py::object recorder, py::object tap,
+             py::object fallback)
+      : state_(std::move(state)), rec_(std::move(recorder)), tap_(std::move(tap)),
+        fallback_(std::move(fallback)) {}
+
+  // The optimizer's step ended: closed here, or by `fallback`.
+  void step() {
+    bool closed = false;
+    if (armed_) {
+      try {
+        closed = close();
+      } catch (...) {  // a Python attribute that could not be read: the boundary's to see
+        errors_ += 1;
+      }
+      if (!closed) armed_ = false;
+    }
+    if (!closed) fallback_();
+  }
+
+  // The next `budget` steps may be closed here if each is as described above: `order` names them,
+  // the builtins' calls stood at `seen`, the tap's CUDA graph calls at `graph_calls`, the
+  // recorder's own unmeasured calls at `unmeasured` (and the tap's counted() as it is now); for
+  // `cap_s` at most once one is closed (the first always is).
+  void arm(py::object order, int64_t budget, int64_t seen, int64_t graph_calls,
+           int64_t unmeasured, double cap_s) {
+    order_ = std::move(order);
+    budget_ = budget;
+    seen_ = seen;
+    counted_ = state_->counted();
+    graph_calls_ = graph_calls;
+    unmeasured_ = unmeasured;
+    until_ns_ = steady_ns() + static_cast<int64_t>(cap_s * 1e9);
+    armed_ = budget > 0;
+  }
+
+  void disarm() { armed_ = false; }
+  bool armed() const { return armed_; }
+
+  // The steps closed here since the last take, in order, as (batch, closed, wall_time): steady
+  // and wall clock seconds (time.monotonic, time.time); and the builtins' calls counted at the
+  // last (Bypass's `seen`). Disarms.
+  py::tuple take() {
+    armed_ = false;
+    py::list out;
+    for (Entry& e : entries_) {
+      out.append(py::make_tuple(py::cast(std::move(e.batch)), e.closed, e.wall));
+    }
+    entries_.clear();
+    return py::make_tuple(out, seen_);
+  }
+
+  int64_t closed() const { return closed_; }
+  int64_t errors() const { return errors_; }
+
+ private:
+  struct Entry {
+    Batch batch;
+    double closed = 0.0, wall = 0.0;
+  };
+
+  bool close() {
+    if (budget_ <= 0 || (!entries_.empty() && steady_ns() > until_ns_)) return false;
+    if (rec_.attr(kSinceBoundary).cast<int64_t>() != 0 || py::len(rec_.attr(kCalls)) != 0 ||
+        !rec_.attr(kPending).is_none()) {
+      return false;
+    }
+    const py::object order = tap_.attr(kOrder);
+    if (!order.is(order_) || py::cast<bool>(order_.attr(kBroken)) ||
+        tap_.attr(kGraphCalls).cast<int64_t>() != graph_calls_) {
+      return false;
+    }
+    int64_t unmeasured = 0;
+    const py::dict counts = rec_.attr(kUnmeasured);
+    for (auto item : counts) unmeasured += item.second.cast<int64_t>();
+    if (unmeasured != unmeasured_) return false;
+    const int64_t total = eager_bypassed();
+    std::optional<std::vector<Record>> records = state_->cut_if_quiet(total - seen_, counted_);
+    if (!records) return false;
+    seen_ = total;
+    budget_ -= 1;
+    closed_ += 1;
+    state_->reset_in_backward();
+    const auto wall = std::chrono::system_clock::now().time_since_epoch();
+    entries_.push_back(Entry{Batch{std::move(*records)}, static_cast<double>(steady_ns()) * 1e-9,
+                             std::chrono::duration<double>(wall).count()});
+    return true;
+  }
+
+  static constexpr const char* kSinceBoundary = "calls_since_boundary";
+  static constexpr const char* kCalls = "calls";
+  static constexpr const char* kPending = "pending";
+  static constexpr const char* kUnmeasured = "unmeasured";
+  static constexpr const char* kOrder = "order";
+  static constexpr const char* kBroken = "broken";
+  static constexpr const char* kGraphCalls = "cuda_graph_calls";
+
+  std::shared_ptr<TapState> state_;
+  py::object rec_, tap_, fallback_, order_;
+  bool armed_ = false;
+  int64_t budget_ = 0, seen_ = 0, counted_ = 0, graph_calls_ = 0, unmeasured_ = 0;
+  int64_t until_ns_ = 0, closed_ = 0, errors_ = 0;
+  std::vector<Entry> entries_;
+};
+
 class Tap {
  public:
   Tap(std::shared_ptr<Pool> cpu, std::shared_ptr<Pool> cuda, int64_t max_records)
@@ -943,6 +1086,12 @@ class Tap {
     return py::make_tuple(out, unlinked, trained, state_->counted(), eager_bypassed());
   }
   void release(Batch& batch) { state_->release(batch.records); }
+  // The recorder's optimizer hook for quiet steps (QuietSteps) on this tap's records.
+  std::unique_ptr<QuietSteps> quiet_steps(py::object recorder, py::object tap,
+                                          py::object fallback) {
+    return std::make_unique<QuietSteps>(state_, std::move(recorder), std::move(tap),
+                                        std::move(fallback));
+  }
   int count(Batch& batch, Tally& tally, const std::vector<int64_t>& keys,
             const std::vector<bool>& recompute, bool give_up_open_backward) {
     return tally.count(*state_, batch, keys, recompute, give_up_open_backward);
@@ -1018,6 +1167,14 @@ void bind_tap(py::module_& m) {
   py::class_<Tally>(m, "Tally")
       .def(py::init<std::vector<double>, double>(), py::arg("bounds"), py::arg("host_share"))
       .def("take", &Tally::take);
+  py::class_<QuietSteps>(m, "QuietSteps")
+      .def("step", &QuietSteps::step)
+      .def("arm", &QuietSteps::arm)
+      .def("disarm", &QuietSteps::disarm)
+      .def("armed", &QuietSteps::armed)
+      .def("take", &QuietSteps::take)
+      .def("closed", &QuietSteps::closed)
+      .def("errors", &QuietSteps::errors);
   py::class_<Tap>(m, "Tap")
       .def(py::init<std::shared_ptr<Pool>, std::shared_ptr<Pool>, int64_t>(), py::arg("cpu"),
            py::arg("cuda"), py::arg("max_records"))
@@ -1026,6 +1183,7 @@ void bind_tap(py::module_& m) {
       .def("installed", &Tap::installed)
       .def("set_measuring", &Tap::set_measuring)
       .def("cut_step", &Tap::cut_step)
+      .def("quiet_steps", &Tap::quiet_steps)
       .def("release", &Tap::release)
       .def("count", &Tap::count)
       .def("count_run", &Tap::count_run)

@@ -1,0 +1,90 @@
+"""Steady bypassed steps closed in C++ at the optimizer's step: no Python on the training thread.
+
+A bypassed eager step (bypass.py) ends at the optimizer's step, where the Python boundary
+(boundary.py) cuts the tap's records, counts the builtins' calls, builds the ClosedStep, opens the
+next step and hands the closed one over: about 50 µs of Python a step on the CPU machine, on the
+training thread of a launch-bound job (benchmarks/BENCHMARKS.md §4). So once a bypassed step is
+open, the boundary arms the tap's `QuietSteps` (capture/_native/tap.cpp), the recorder's optimizer
+hook, for the steps that may still be bypassed before the wrapper measures one to verify the
+order. The hook closes each step that the Python boundary would close as a bypassed step matching
+its order with nothing else to do: no call of the eager wrapper's, nothing pending, nothing counted
+unmeasured, the same unbroken order, every call of SDPA's builtins one of the tap's records,
+something trained. It keeps the step's cut and its times. The first step that is anything else
+disarms it and goes to the Python boundary, which first hands over the steps closed in C++, in
+order, as the ClosedSteps it would have made of them (`take`). A run lasts at most _CAP_S (host-clock
+steps: _CAP_HOST_S, as often as the CPU wait is read, capture/host.py; the first step closed
+after arming always is), so the resolver gets its steps about as it would.
+
+Example (the Recorder's)::
+
+    quiet = QuietSteps(tap, recorder, recorder.optimizer_step)
+    recorder.step_hook = quiet.native.step  # the optimizer's post hook calls it
+    quiet.take(recorder)                    # at each Python boundary, first
+    quiet.arm(recorder)                     # at its end, once the next step is open
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from .boundary import ClosedStep
+
+_CAP_S = 0.1
+"""The longest run of steps closed in C++ before the Python boundary hands them over."""
+_CAP_HOST_S = 0.02
+"""The same for host-clock steps (CPU), whose CPU wait is read at most this often."""
+
+
+class QuietSteps:
+    """The tap's QuietSteps hook, armed and emptied by the recorder's Python boundary."""
+
+    def __init__(self, tap: Any, recorder: Any, fallback: Callable[[], None]):
+        self.native = tap.quiet_steps(recorder, fallback)
+        self._host_clock = "cuda" not in tap.timers
+        self._order: Any = None  # the order the armed steps are named by
+        self._errors = 0
+
+    @property
+    def closed(self) -> int:
+        """Steps closed in C++ (cumulative)."""
+        return int(self.native.closed())
+
+    def disarm(self) -> None:
+        self.native.disarm()
+
+    def arm(self, rec: Any) -> None:
+        """After a Python boundary opened a bypassed step: let the hook close it and the steps after
+        it that may be bypassed, if the step's state is one the hook can see unchanged."""
+        order, bypass, tap = rec.bypass.order, rec.bypass, rec.tap
+        if (order is None or tap is None or rec.every_n_steps > 1 or not rec.measuring
+                or rec.pending is not None or rec._phases or rec.fallback_mode
+                or not rec.optimizer_seen):
+            return
+        budget = bypass.quiet_budget()
+        if budget <= 0:
+            return
+        self._order = order
+        self.native.arm(order, budget, bypass._seen, tap.cuda_graph_calls,
+                        sum(rec.unmeasured.values()), _CAP_HOST_S if self._host_clock else _CAP_S)
+
+    def take(self, rec: Any) -> None:
+        """At a Python boundary, first: the steps closed in C++ since the last, handed over in order
+        as the Python boundary would have (each a ClosedStep with its own index and times, named by
+        the armed order), and the recorder's and the bypass's counts moved on."""
+        entries, seen = self.native.take()
+        errors = int(self.native.errors())
+        if errors != self._errors:  # the hook gave the step to Python: training went on
+            rec._on_error("recorder.quiet", RuntimeError(
+                f"{errors - self._errors} step(s) could not be closed in C++ (attributes unreadable)"))
+            self._errors = errors
+        if not entries:
+            return
+        tap = rec.tap
+        device = rec._tap_device()
+        for batch, closed, wall_time in entries:
+            step = ClosedStep(rec.step_index, [], device, None, tap, batch)
+            step.closed, step.wall_time, step.order = closed, wall_time, self._order
+            rec.step_index += 1
+            rec._on_step(step)
+        rec.bypass.closed_quietly(len(entries), seen)
