@@ -18,7 +18,7 @@ the main thread at a later step boundary, between training steps, as the resolve
 in situ without a second thread: against `--replay`, what cold caches cost it. Usage:
 
     python benchmarks/resolver_cost.py [--device cuda] [--steps 300] [--replay [--profile N] | --inline]
-        [--reports-per-second R]
+        [--reports-per-second R] [--no-cpu-wait]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ from in_situ import phased_step, setup_device  # noqa: E402
 import fadiag  # noqa: E402
 from fadiag import session as session_module  # noqa: E402
 from fadiag.capture import host, tap  # noqa: E402
-from fadiag.steps import boundary, recorder, resolver  # noqa: E402
+from fadiag.steps import boundary, quiet, recorder, resolver  # noqa: E402
 
 # (owner, attribute, label): class attributes are timed for every instance; an instance's are
 # set once the session exists (the "rules" and "sinks" owners).
@@ -56,7 +56,7 @@ PIECES = (
     ("metrics", "count", "  a counted step's rows, counted"),
     (session_module.Session, "_on_optimizer_step", "optimizer's hook, training thread"),
     (boundary.StepBoundaries, "boundary", "  step boundary in Python"),
-    (recorder.Recorder, "_take_quiet", "    steps closed in C++ handed over"),
+    (quiet.QuietSteps, "take", "    steps closed in C++ handed over"),
     (tap.Tap, "cut_step", "    the tap's records cut"),
     (recorder.Recorder, "_closing", "    a bypassed step's calls counted"),
     (recorder.Recorder, "_next_step", "    the next step opened"),
@@ -92,7 +92,14 @@ def main() -> None:
                           "between training steps (overhead.py's fadiag_inline)")
     p.add_argument("--reports-per-second", type=float, default=0.0,
                    help="sampling.reports_per_second (0: every step reported)")
+    p.add_argument("--no-cpu-wait", action="store_true",
+                   help="on CPU, the training thread as a card's host runs it: no CPU wait read "
+                        "(host.CpuWait.read answers None) and runs of steps closed in C++ capped "
+                        "as device-clock ones (steps/quiet.py)")
     args = p.parse_args()
+    if args.no_cpu_wait:
+        host.CpuWait.read = lambda self: None  # type: ignore[method-assign]
+        quiet._CAP_HOST_S = quiet._CAP_S
     setup_device(args.device)
     overhead.ATTACH_DEFAULTS["sampling.reports_per_second"] = args.reports_per_second
     model, step = phased_step(args.device)
