@@ -26,12 +26,6 @@ SEQ, BATCH, DIM, HEADS, LAYERS = 64, 2, 32, 2, 3
 pytestmark = NEEDS_TAP
 
 
-@pytest.fixture(autouse=True)
-def _detached():
-    yield
-    fadiag.detach()
-
-
 def _metric(session: fadiag.Session, name: str) -> float | None:
     registry = CollectorRegistry()
     registry.register(session.metrics)
@@ -39,7 +33,8 @@ def _metric(session: fadiag.Session, name: str) -> float | None:
 
 
 def _call_rows(report) -> list[tuple]:
-    return sorted((c.site, c.impl, c.recompute, c.kept_bytes, c.standard_bytes) for c in report.calls)
+    return sorted((c.site, c.impl, c.recompute, c.kept_bytes, c.standard_bytes)
+                  for c in report.calls)
 
 
 class ClosedInCpp(ClosedStep):
@@ -75,7 +70,8 @@ class Run:
 
         self.session.resolver.submit = written
 
-    def train(self, model: torch.nn.Module, steps: int, seed: int, flush: bool = False) -> list[float]:
+    def train(self, model: torch.nn.Module, steps: int, seed: int,
+              flush: bool = False) -> list[float]:
         losses = train(model, steps, seq=SEQ, batch=BATCH, seed=seed)
         if flush:
             assert self.session.flush(10)
@@ -95,7 +91,8 @@ class Run:
 
 def _both(monkeypatch, body) -> tuple[dict, dict, list[int]]:
     """`body(run, model)` once with steps closed in C++ and once with the Python boundary alone
-    (the hook never armed), from the same model: what each ends with, and the steps closed in C++."""
+    (the hook never armed), from the same model: what each ends with, and the steps closed in
+    C++."""
     torch.manual_seed(0)
     model = GPT(layers=LAYERS, dim=DIM, heads=HEADS)
     ended = {}
@@ -167,15 +164,20 @@ def test_a_step_the_hook_cannot_close_goes_to_python_and_the_steps_before_it_fir
     assert set(closed) <= set(_bypassed_before_bypassed(python["handed"]))
 
 
-def test_a_flush_or_a_detach_hands_over_the_steps_closed_in_cpp(monkeypatch):
-    monkeypatch.setattr(quiet, "_CAP_HOST_S", 60.0)
+def _bypassing() -> tuple[fadiag.Session, torch.nn.Module, torch.optim.Optimizer]:
+    """A session whose next steps are bypassed (as `_learned`), with its model and optimizer."""
     torch.manual_seed(0)
     model = GPT(layers=LAYERS, dim=DIM, heads=HEADS)
     s = fadiag.attach(port=0, tap="on", **{"steps.verify_every": 100})
     for i in range(3):
         train(model, 1, seq=SEQ, batch=BATCH, seed=i)
         assert s.flush(10)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    return s, model, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+def test_a_flush_or_a_detach_hands_over_the_steps_closed_in_cpp(monkeypatch):
+    monkeypatch.setattr(quiet, "_CAP_HOST_S", 60.0)
+    s, model, opt = _bypassing()
     for i in range(6):
         train_one(model, opt, seed=i)
     native = s.recorder.quiet.native
@@ -200,13 +202,7 @@ def train_one(model: torch.nn.Module, opt: torch.optim.Optimizer, seed: int) -> 
 
 
 def test_an_error_in_the_hook_never_reaches_the_optimizer_and_is_counted_once(caplog):
-    torch.manual_seed(0)
-    model = GPT(layers=LAYERS, dim=DIM, heads=HEADS)
-    s = fadiag.attach(port=0, tap="on", **{"steps.verify_every": 100})
-    for i in range(3):
-        train(model, 1, seq=SEQ, batch=BATCH, seed=i)
-        assert s.flush(10)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    s, model, opt = _bypassing()
     train_one(model, opt, seed=0)  # closed by Python, which arms the hook
     rec = s.recorder
     assert rec.quiet.native.armed()

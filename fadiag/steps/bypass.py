@@ -86,6 +86,11 @@ class Bypass:
             self.order = None
             self._on_error("recorder.bypass", e)
 
+    @property
+    def seen(self) -> int:
+        """The builtins' calls counted when the open step began (cumulative)."""
+        return self._seen
+
     def quiet_budget(self) -> int:
         """Steps that may still close bypassed in C++ (steps/quiet.py) after the open one before
         the wrapper measures one to verify the order: each opens the next bypassed."""

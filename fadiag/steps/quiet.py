@@ -11,9 +11,9 @@ its order with nothing else to do: no call of the eager wrapper's, nothing pendi
 unmeasured, the same unbroken order, every call of SDPA's builtins one of the tap's records,
 something trained. It keeps the step's cut and its times. The first step that is anything else
 disarms it and goes to the Python boundary, which first hands over the steps closed in C++, in
-order, as the ClosedSteps it would have made of them (`take`). A run lasts at most _CAP_S (host-clock
-steps: _CAP_HOST_S, as often as the CPU wait is read, capture/host.py; the first step closed
-after arming always is), so the resolver gets its steps about as it would.
+order, as the ClosedSteps it would have made of them (`take`). A run lasts at most _CAP_S
+(host-clock steps: _CAP_HOST_S, as often as the CPU wait is read, capture/host.py; the first step
+after arming is always closed), so the resolver gets its steps about as it would.
 
 Example (the Recorder's)::
 
@@ -58,14 +58,13 @@ class QuietSteps:
         it that may be bypassed, if the step's state is one the hook can see unchanged."""
         order, bypass, tap = rec.bypass.order, rec.bypass, rec.tap
         if (order is None or tap is None or rec.every_n_steps > 1 or not rec.measuring
-                or rec.pending is not None or rec._phases or rec.fallback_mode
-                or not rec.optimizer_seen):
+                or rec.pending is not None or rec.fallback_mode or not rec.optimizer_seen):
             return
         budget = bypass.quiet_budget()
         if budget <= 0:
             return
         self._order = order
-        self.native.arm(order, budget, bypass._seen, tap.cuda_graph_calls,
+        self.native.arm(order, budget, bypass.seen, tap.cuda_graph_calls,
                         sum(rec.unmeasured.values()), _CAP_HOST_S if self._host_clock else _CAP_S)
 
     def take(self, rec: Any) -> None:
@@ -76,7 +75,7 @@ class QuietSteps:
         errors = int(self.native.errors())
         if errors != self._errors:  # the hook gave the step to Python: training went on
             rec._on_error("recorder.quiet", RuntimeError(
-                f"{errors - self._errors} step(s) could not be closed in C++ (attributes unreadable)"))
+                f"{errors - self._errors} step(s) not closed in C++ (attributes unreadable)"))
             self._errors = errors
         if not entries:
             return

@@ -885,11 +885,11 @@ int64_t get(const py::dict& d, const char* key, int64_t fallback) {
 // Steady bypassed eager steps closed at the optimizer's step with no Python (fadiag/steps/quiet.py):
 // the recorder's optimizer hook. Armed by the step boundary's Python for the steps that may still
 // be bypassed before one verifies the order, it closes each step the Python boundary would close
-// as a bypassed step matching its calls with nothing else to do: no call of the wrapper's, nothing
-// pending or counted, the same unbroken order, the builtins' calls all the tap's records. Such a
-// step's cut is kept here, with its times; anything else disarms it and the step goes to
-// `fallback` (the Python boundary), which first takes the steps closed here (`take`) and hands
-// them over in order. What it reads of the recorder, the tap and the order are Python attributes,
+// as a bypassed step matching its order with nothing else to do: no call of the wrapper's, nothing
+// pending or counted, the same unbroken order, the builtins' calls all the tap's records (and
+// something trained: TapState::cut_if_quiet). Such a step's cut is kept here, with its times;
+// anything else disarms it and the step goes to `fallback` (the Python boundary), which first
+// takes the steps closed here (`take`) and hands them over in order. What it reads of the recorder, the tap and the order are Python attributes,
 // under the GIL, where the boundary reads them; nothing thrown here reaches the optimizer.
 class QuietSteps {
  public:
