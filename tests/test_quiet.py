@@ -152,8 +152,11 @@ def test_a_step_the_hook_cannot_close_goes_to_python_and_the_steps_before_it_fir
         losses = _learned(run, model)
         losses += run.train(model, 9, seed=3)
         with sdpa_kernel([SDPBackend.MATH]):
-            losses += run.train(model, 1, seed=12)
-        return losses + run.train(model, 10, seed=13)
+            losses += run.train(model, 1, seed=12, flush=True)
+        # The order is learned again from a step the wrapper measures, at the resolver's pace:
+        # each step resolved before the next until it is, so both ways bypass the same steps.
+        losses += [loss for i in range(2) for loss in run.train(model, 1, seed=13 + i, flush=True)]
+        return losses + run.train(model, 8, seed=15)
 
     with_cpp, python, closed = _both(monkeypatch, body)
     assert with_cpp == python
@@ -217,3 +220,28 @@ def test_an_error_in_the_hook_never_reaches_the_optimizer_and_is_counted_once(ca
     assert s.flush(10)
     assert [r.step for r in s.history()] == list(range(1, 9))
     assert all(len(r.calls) == LAYERS for r in s.history())
+
+
+def test_with_a_report_rate_the_steps_closed_in_cpp_reach_the_metrics_counted_in_cpp(monkeypatch):
+    """sampling.reports_per_second: the steps the hook closes are counted by the tap's C++ tally
+    (steps/steady.py) like the Python boundary's, every call of every step in the metrics."""
+    monkeypatch.setattr(quiet, "_CAP_HOST_S", 60.0)
+    torch.manual_seed(0)
+    model = GPT(layers=LAYERS, dim=DIM, heads=HEADS)
+    s = fadiag.attach(port=0, tap="on", **{"steps.verify_every": 6,
+                                          "sampling.reports_per_second": 1e-6})
+    for i in range(3):
+        train(model, 1, seq=SEQ, batch=BATCH, seed=i)
+        assert s.flush(10)
+    train(model, 24, seq=SEQ, batch=BATCH, seed=3)
+    assert s.flush(10)
+    reported = len(s.history())
+    assert s.recorder.quiet.closed == 15  # as in the test above: 5-7, 10-13, 16-19, 22-25
+    assert _metric(s, "fadiag_steps_total") == 27
+    assert _metric(s, "fadiag_steps_unreported_total") == 27 - reported >= 15
+    registry = CollectorRegistry()
+    registry.register(s.metrics)
+    impl = {"rank": "0", "impl": "cpu_flash"}
+    assert registry.get_sample_value("fadiag_attention_calls_total", impl) == 27 * LAYERS
+    assert registry.get_sample_value("fadiag_attention_backward_seconds_count", impl) == 27 * LAYERS
+    assert s.resolver._steady.counted >= 15
