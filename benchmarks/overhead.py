@@ -401,8 +401,9 @@ FULL = FullCollections()
 def block_time(step, n: int, warm: int = 1, settle=_nothing,
                extra: dict[str, list[float]] | None = None) -> float:
     """Wall seconds a step over `n` steps; `extra` gathers the block's process CPU seconds a step
-    ("cpu"), the machine's stolen seconds a wall second ("steal") and Python's full collections
-    inside the block ("full_gc", their seconds "full_gc_s")."""
+    ("cpu"), the training thread's own ("thread_cpu": this thread's CPU, no other thread's and no
+    wait in it), the machine's stolen seconds a wall second ("steal") and Python's full
+    collections inside the block ("full_gc", their seconds "full_gc_s")."""
     # Untimed: what a variant does once per attach (server start, learning each call signature on
     # the first measured step) stays out; a production session attaches once. Each warm step is
     # settled: what the resolver learns of a step (an order, a steady shape) serves from the
@@ -415,7 +416,7 @@ def block_time(step, n: int, warm: int = 1, settle=_nothing,
     # steps bring on stay inside it, counted (FULL).
     gc.collect()
     torch.cuda.synchronize()
-    c0, s0 = time.process_time(), _steal_s()
+    c0, s0, t0_cpu = time.process_time(), _steal_s(), time.thread_time()
     FULL.start()
     t0 = time.perf_counter()
     for _ in range(n):
@@ -427,6 +428,7 @@ def block_time(step, n: int, warm: int = 1, settle=_nothing,
     wall = time.perf_counter() - t0
     if extra is not None:
         extra.setdefault("cpu", []).append((time.process_time() - c0) / n)
+        extra.setdefault("thread_cpu", []).append((time.thread_time() - t0_cpu) / n)
         extra.setdefault("steal", []).append((_steal_s() - s0) / wall)
         extra.setdefault("full_gc", []).append(FULL.count)
         extra.setdefault("full_gc_s", []).append(FULL.seconds)
@@ -516,7 +518,8 @@ def measure(model_name: str, variants: list[str], pairs: int, steps: int,
 
 
 def measure_rotated(model_name: str, variants: list[str], rounds: int, steps: int,
-                    seconds: float | None = None) -> dict:
+                    seconds: float | None = None,
+                    pairs: list[tuple[str, str]] | tuple = ()) -> dict:
     """Every variant and plain once a round, in an order that turns each round, so that each
     variant is compared with blocks run seconds apart, not minutes.
 
@@ -527,7 +530,8 @@ def measure_rotated(model_name: str, variants: list[str], rounds: int, steps: in
     directly, round by round: `gap_to_floor`, (variant - floor) / plain, in points of the plain
     step, with the distribution-free 95 % interval of its median. A second plain block a round
     is the noise reference (plain vs plain). Each block's wall is kept (`blocks`), so runs can be
-    pooled."""
+    pooled, and its CPU, the process's and the training thread's; `pairs` (A, B) are also read
+    against each other, round by round (`paired`)."""
     MARKS_SEEN.clear()
     model, step = make(model_name)
     for _ in range(10):
@@ -541,6 +545,7 @@ def measure_rotated(model_name: str, variants: list[str], rounds: int, steps: in
             block_time(step, 3)
     n = steps
     walls: dict[str, list[float]] = {v: [] for v in runs}
+    extras: dict[str, dict[str, list[float]]] = {v: {} for v in runs}
     began = time.monotonic()
     for i in range(rounds):
         if seconds is not None and i >= 5 and time.monotonic() - began > seconds:
@@ -556,10 +561,16 @@ def measure_rotated(model_name: str, variants: list[str], rounds: int, steps: in
             # and its shape learned for counting in C++: every timed step is bypassed
             # (steps/bypass.py) and counted as in a session attached once.
             with variant(v if v != "plain_again" else "plain", model) as settle:
-                walls[v].append(block_time(step, n, 4, settle if host_bound else _nothing))
+                walls[v].append(block_time(step, n, 4, settle if host_bound else _nothing,
+                                           extras[v]))
     plain = walls["plain"]
     out: dict = {"design": "rotated", "rounds": len(plain), "steps_per_block": n,
-                 "blocks_ms": {v: [w * 1e3 for w in ws] for v, ws in walls.items()}}
+                 "blocks_ms": {v: [w * 1e3 for w in ws] for v, ws in walls.items()},
+                 # CPU a step of each block: the process's (every thread's) and the training
+                 # thread's own, which no wait is in (µs).
+                 "blocks_cpu_us": {v: [c * 1e6 for c in x["cpu"]] for v, x in extras.items()},
+                 "blocks_thread_cpu_us": {v: [c * 1e6 for c in x["thread_cpu"]]
+                                          for v, x in extras.items()}}
     floor_name = next((v for v in runs if v.startswith("floor")), None)
     for v in runs[1:]:
         ratios = [b / a - 1.0 for a, b in zip(plain, walls[v], strict=True)]
@@ -588,7 +599,25 @@ def measure_rotated(model_name: str, variants: list[str], rounds: int, steps: in
         print(line, flush=True)
     print(f"{model_name:13s} {len(plain)} rounds of {len(runs)} blocks of {n} steps; plain "
           f"{statistics.median(plain) * 1e3:.2f} ms a step", flush=True)
+    for a, b in pairs:
+        out[f"{b}-{a}"] = paired(out, a, b, model_name)
     return out
+
+
+def paired(out: dict, a: str, b: str, model_name: str = "") -> dict:
+    """Variant `b` against `a` in the same rounds of a rotated run: the median of b - a, round by
+    round, in wall, process CPU and training-thread CPU µs a step, with the 95 % interval of
+    each median (what an A/B of one change reads, each row in the blocks of its own round)."""
+    row = {}
+    parts = []
+    for name, key, scale in (("wall", "blocks_ms", 1e3), ("process CPU", "blocks_cpu_us", 1.0),
+                             ("training thread CPU", "blocks_thread_cpu_us", 1.0)):
+        d = [(y - x) * scale for x, y in zip(out[key][a], out[key][b], strict=True)]
+        mid, (lo, hi) = statistics.median(d), median_ci95(d)
+        row[key] = {"median_us": mid, "median_us_ci95": [lo, hi]}
+        parts.append(f"{name} {mid:+.0f} µs a step ({lo:+.0f} .. {hi:+.0f})")
+    print(f"{model_name:13s} {b} against {a}, round by round: " + "; ".join(parts), flush=True)
+    return row
 
 
 def median_ci95(values: list[float]) -> tuple[float, float]:
@@ -646,6 +675,9 @@ def main() -> None:
     p.add_argument("--rotate", action="store_true",
                    help="every variant and plain once a round, the order turning each round "
                         "(measure_rotated); --pairs is then the most rounds")
+    p.add_argument("--ab", default="",
+                   help="with --rotate: A,B[;C,D...] variants read against each other round by "
+                        "round (wall, process CPU and training-thread CPU a step)")
     p.add_argument("--memory-steps", type=int, default=0,
                    help="also measure host RSS and device memory over this many steps (e.g. 10000)")
     args = p.parse_args()
@@ -666,7 +698,8 @@ def main() -> None:
         steps = args.gpu_steps if gpu_bound else args.launch_steps
         pairs = args.pairs or (20 if gpu_bound else 30)
         if args.rotate:
-            result[m] = measure_rotated(m, variants, args.pairs or 1000, steps, args.seconds)
+            ab = [tuple(x.split(",")) for x in filter(None, args.ab.split(";"))]
+            result[m] = measure_rotated(m, variants, args.pairs or 1000, steps, args.seconds, ab)
         else:
             measure(m, variants, pairs, steps, args.seconds, out=result.setdefault(m, {}), save=save)
         save()
