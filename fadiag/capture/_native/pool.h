@@ -187,12 +187,10 @@ class Pool {
   // Several slots given back (-1: none) with one lock of the free list: a step's marks, from the
   // resolver, while the training and autograd threads take slots for the next step's.
   void give_back_all(const std::vector<int64_t>& slots) {
-    for (int64_t slot : slots) {
-      if (slot >= 0 && at(slot) != nullptr) release(slot);
-    }
+    for (int64_t slot : slots) release(slot);  // which passes over -1 as give_back does
     std::lock_guard<std::mutex> lock(slots_mu_);
     for (int64_t slot : slots) {
-      if (slot >= 0 && at(slot) != nullptr) free_.push_back(slot);
+      if (at(slot) != nullptr) free_.push_back(slot);
     }
   }
 

@@ -882,15 +882,16 @@ int64_t get(const py::dict& d, const char* key, int64_t fallback) {
   return d.contains(key) ? d[key].cast<int64_t>() : fallback;
 }
 
-// Steady bypassed eager steps closed at the optimizer's step with no Python (fadiag/steps/quiet.py):
-// the recorder's optimizer hook. Armed by the step boundary's Python for the steps that may still
-// be bypassed before one verifies the order, it closes each step the Python boundary would close
-// as a bypassed step matching its order with nothing else to do: no call of the wrapper's, nothing
-// pending or counted, the same unbroken order, the builtins' calls all the tap's records (and
-// something trained: TapState::cut_if_quiet). Such a step's cut is kept here, with its times;
-// anything else disarms it and the step goes to `fallback` (the Python boundary), which first
-// takes the steps closed here (`take`) and hands them over in order. What it reads of the recorder, the tap and the order are Python attributes,
-// under the GIL, where the boundary reads them; nothing thrown here reaches the optimizer.
+// Steady bypassed eager steps closed at the optimizer's step with no Python
+// (fadiag/steps/quiet.py): the recorder's optimizer hook. Armed by the step boundary's Python for
+// the steps that may still be bypassed before one verifies the order, it closes each step the
+// Python boundary would close as a bypassed step matching its order with nothing else to do: no
+// call of the wrapper's, nothing pending or counted, the same unbroken order, the builtins' calls
+// all the tap's records (and something trained: TapState::cut_if_quiet). Such a step's cut is
+// kept here, with its times; anything else disarms it and the step goes to `fallback` (the Python
+// boundary), which first takes the steps closed here (`take`) and hands them over in order. What
+// it reads of the recorder, the tap and the order are Python attributes, under the GIL, where the
+// boundary reads them; nothing thrown here reaches the optimizer.
 class QuietSteps {
  public:
   QuietSteps(std::shared_ptr<TapState> state, py::object recorder, py::object tap,
@@ -955,17 +956,17 @@ class QuietSteps {
 
   bool close() {
     if (budget_ <= 0 || (!entries_.empty() && steady_ns() > until_ns_)) return false;
-    if (rec_.attr(kSinceBoundary).cast<int64_t>() != 0 || py::len(rec_.attr(kCalls)) != 0 ||
-        !rec_.attr(kPending).is_none()) {
+    if (rec_.attr(since_boundary_name_).cast<int64_t>() != 0 ||
+        py::len(rec_.attr(calls_name_)) != 0 || !rec_.attr(pending_name_).is_none()) {
       return false;
     }
-    const py::object order = tap_.attr(kOrder);
-    if (!order.is(order_) || py::cast<bool>(order_.attr(kBroken)) ||
-        tap_.attr(kGraphCalls).cast<int64_t>() != graph_calls_) {
+    const py::object order = tap_.attr(order_name_);
+    if (!order.is(order_) || py::cast<bool>(order_.attr(broken_name_)) ||
+        tap_.attr(graph_calls_name_).cast<int64_t>() != graph_calls_) {
       return false;
     }
     int64_t unmeasured = 0;
-    const py::dict counts = rec_.attr(kUnmeasured);
+    const py::dict counts = rec_.attr(unmeasured_name_);
     for (auto item : counts) unmeasured += item.second.cast<int64_t>();
     if (unmeasured != unmeasured_) return false;
     const int64_t total = eager_bypassed();
@@ -981,20 +982,16 @@ class QuietSteps {
     return true;
   }
 
-  static constexpr const char* kSinceBoundary = "calls_since_boundary";
-  static constexpr const char* kCalls = "calls";
-  static constexpr const char* kPending = "pending";
-  static constexpr const char* kUnmeasured = "unmeasured";
-  static constexpr const char* kOrder = "order";
-  static constexpr const char* kBroken = "broken";
-  static constexpr const char* kGraphCalls = "cuda_graph_calls";
-
   std::shared_ptr<TapState> state_;
   py::object rec_, tap_, fallback_, order_;
   bool armed_ = false;
   int64_t budget_ = 0, seen_ = 0, counted_ = 0, graph_calls_ = 0, unmeasured_ = 0;
   int64_t until_ns_ = 0, closed_ = 0, errors_ = 0;
   std::vector<Entry> entries_;
+  // The attributes read each step, named once (as EagerWrapper and FastBegin name theirs).
+  py::str since_boundary_name_{"calls_since_boundary"}, calls_name_{"calls"},
+      pending_name_{"pending"}, unmeasured_name_{"unmeasured"}, order_name_{"order"},
+      broken_name_{"broken"}, graph_calls_name_{"cuda_graph_calls"};
 };
 
 class Tap {
