@@ -56,15 +56,18 @@ class QuietSteps:
     def arm(self, rec: Any) -> None:
         """After a Python boundary opened a bypassed step: let the hook close it and the steps after
         it that may be bypassed, if the step's state is one the hook can see unchanged."""
-        order, bypass, tap = rec.bypass.order, rec.bypass, rec.tap
-        if (order is None or tap is None or rec.every_n_steps > 1 or not rec.measuring
-                or rec.pending is not None or rec.fallback_mode or not rec.optimizer_seen):
+        # An order in use is one Bypass.next_order just gave, having checked the recorder's state
+        # (measuring, an optimizer seen, nothing pending, the tap's order); with sampling, the
+        # next step may be sampled out, which the hook cannot open.
+        bypass = rec.bypass
+        order = bypass.order
+        if order is None or rec.every_n_steps > 1:
             return
         budget = bypass.quiet_budget()
         if budget <= 0:
             return
         self._order = order
-        self.native.arm(order, budget, bypass.seen, tap.cuda_graph_calls,
+        self.native.arm(order, budget, bypass.seen, rec.tap.cuda_graph_calls,
                         sum(rec.unmeasured.values()), _CAP_HOST_S if self._host_clock else _CAP_S)
 
     def take(self, rec: Any) -> None:
