@@ -16,10 +16,10 @@ import sys
 import pytest
 import torch
 import torch.nn.functional as F
-from prometheus_client import CollectorRegistry
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fadiag
+from tests.metrics import call_rows, sample
 from tests.models import GPT, train
 from tests.native_marks import NEEDS_TAP
 
@@ -49,15 +49,6 @@ def _steps(session: fadiag.Session | None, model: torch.nn.Module, n: int, first
     return losses
 
 
-def _steps_total(session: fadiag.Session) -> float | None:
-    registry = CollectorRegistry()
-    registry.register(session.metrics)
-    return registry.get_sample_value("fadiag_steps_total", {"rank": "0"})
-
-
-def _call_rows(report) -> list[tuple]:
-    return sorted((c.site, c.impl, c.recompute, c.kept_bytes, c.standard_bytes) for c in report.calls)
-
 
 def test_steady_steps_are_bypassed_and_report_as_the_wrapper_measures_them():
     torch.manual_seed(0)
@@ -70,11 +61,11 @@ def test_steady_steps_are_bypassed_and_report_as_the_wrapper_measures_them():
     # bypassed, then one the wrapper measures (4-7, 9-12, 14-17, 19-20; 8, 13 and 18 check).
     assert s.recorder.bypass.steps == 14
     reports = s.history()
-    assert len(reports) == 20 and _steps_total(s) == 20
+    assert len(reports) == 20 and sample(s, "fadiag_steps_total") == 20
     wrapper = reports[2]  # step 3: the wrapper's, linked calls
     assert [c.site for c in wrapper.calls] == [f"tests/models.py:24#{i}" for i in range(LAYERS)]
     for r in reports[1:]:
-        assert _call_rows(r) == _call_rows(wrapper)
+        assert call_rows(r) == call_rows(wrapper)
         assert all(c.forward_seconds > 0 and c.backward_seconds > 0 for c in r.calls)
         assert not r.unmeasured
     assert all(v == 0 for v in s.recorder.unmeasured_totals().values())
@@ -127,7 +118,7 @@ def test_micro_batches_and_recomputation_are_named_as_the_wrapper_names_them(che
     assert len(wrapper.calls) == 2 * LAYERS + recomputed
     assert sum(c.recompute for c in wrapper.calls) == recomputed
     for r in reports[2:]:
-        assert _call_rows(r) == _call_rows(wrapper)
+        assert call_rows(r) == call_rows(wrapper)
         summary = {site.site: site for site in r.sites()}
         assert len(summary) == LAYERS and all(site.calls == 2 for site in summary.values())
     assert s.recorder.tap.counts()["unrecorded"] == 0
@@ -146,7 +137,7 @@ def test_a_new_sequence_length_keeps_its_sites_with_its_own_signature():
             assert s.recorder.bypass.steps == bypassed + 2 and not s.recorder.tap.order.broken
         else:
             assert s.recorder.bypass.steps == 0
-        rows[verify_every] = [_call_rows(r) for r in s.history()]
+        rows[verify_every] = [call_rows(r) for r in s.history()]
         fadiag.detach()
     assert rows[1000] == rows[0]
     assert rows[0][-1] != rows[0][0]  # the short steps' own bytes
@@ -172,7 +163,7 @@ def test_calls_the_tap_cannot_see_in_a_bypassed_step_are_counted_and_the_wrapper
     assert s.recorder.bypass.order is not None
     assert all(c.impl == "cpu_flash" for c in reports[-1].calls)
     assert s.recorder.unmeasured_totals()["untapped"] == LAYERS
-    assert _steps_total(s) == 12
+    assert sample(s, "fadiag_steps_total") == 12
 
 
 def test_steps_whose_calls_change_every_step_end_bypassing_and_are_never_misnamed():
@@ -219,7 +210,7 @@ def test_with_sampling_only_measured_steps_are_bypassed_and_some_are_still_check
     # Step 2 learns the signature, step 4 the order: 6, 8, 12, 14, 18, 20 and 24 are bypassed;
     # 10, 16 and 22 the wrapper measures (two of three measured steps in a row bypassed).
     assert s.recorder.bypass.steps == 7
-    assert all(_call_rows(r) == _call_rows(reports[1]) for r in reports[1:])
+    assert all(call_rows(r) == call_rows(reports[1]) for r in reports[1:])
     assert s.recorder.unmeasured_totals()["sampling"] == 12 * LAYERS
 
 

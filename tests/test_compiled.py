@@ -15,11 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 import torch.nn.functional as F
-from prometheus_client import CollectorRegistry
 
 import fadiag
 from fadiag.capture.tap import TAP_OPS, specs
 from fadiag.steps.records import StepReport
+from tests.metrics import sample
 from tests.models import GPT, train
 from tests.native_marks import NEEDS_TAP
 
@@ -70,16 +70,11 @@ def _run(model: torch.nn.Module, steps: int, attached: bool) -> Run:
         if session is None:
             return Run(losses, counters, [], None)
         assert session.flush(10)
-        return Run(losses, counters, session.history(), _steps_total(session))
+        return Run(losses, counters, session.history(), sample(session, "fadiag_steps_total"))
     finally:
         torch.use_deterministic_algorithms(was_deterministic)
         fadiag.detach()
 
-
-def _steps_total(session: fadiag.Session) -> float | None:
-    registry = CollectorRegistry()
-    registry.register(session.metrics)
-    return registry.get_sample_value("fadiag_steps_total", {"rank": "0"})
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +185,7 @@ def _run_untraceable(attached: bool) -> Run:
         if session is None:
             return Run(losses, counters, [], None)
         assert session.flush(10) and session.errors == 0
-        return Run(losses, counters, session.history(), _steps_total(session))
+        return Run(losses, counters, session.history(), sample(session, "fadiag_steps_total"))
     finally:
         fadiag.detach()
 
@@ -333,7 +328,7 @@ def test_tap_off_leaves_compiled_attention_unmeasured_but_steps_counted():
     train(torch.compile(_model()), 2, seq=SEQ, batch=BATCH)
     assert s.flush(10)
     assert [r.calls for r in s.history()] == [[], []]
-    assert _steps_total(s) == 2
+    assert sample(s, "fadiag_steps_total") == 2
     assert s.tap_status == "off"
 
 

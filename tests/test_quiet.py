@@ -13,28 +13,17 @@ import logging
 
 import pytest
 import torch
-from prometheus_client import CollectorRegistry
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import fadiag
 from fadiag.steps import quiet
 from fadiag.steps.boundary import ClosedStep
+from tests.metrics import call_rows, sample
 from tests.models import GPT, train
 from tests.native_marks import NEEDS_TAP
 
 SEQ, BATCH, DIM, HEADS, LAYERS = 64, 2, 32, 2, 3
 pytestmark = NEEDS_TAP
-
-
-def _metric(session: fadiag.Session, name: str) -> float | None:
-    registry = CollectorRegistry()
-    registry.register(session.metrics)
-    return registry.get_sample_value(name, {"rank": "0"})
-
-
-def _call_rows(report) -> list[tuple]:
-    return sorted((c.site, c.impl, c.recompute, c.kept_bytes, c.standard_bytes)
-                  for c in report.calls)
 
 
 class ClosedInCpp(ClosedStep):
@@ -82,11 +71,11 @@ class Run:
         s = self.session
         assert s.flush(10)
         rec = s.recorder
-        return {"handed": self.handed, "rows": [_call_rows(r) for r in s.history()],
+        return {"handed": self.handed, "rows": [call_rows(r) for r in s.history()],
                 "indices": [r.step for r in s.history()], "bypassed": rec.bypass.steps,
                 "unmeasured": rec.unmeasured_totals(),
                 "flags": [f.rule for r in s.history() for f in r.flags],
-                "steps_total": _metric(s, "fadiag_steps_total")}
+                "steps_total": sample(s, "fadiag_steps_total")}
 
 
 def _both(monkeypatch, body) -> tuple[dict, dict, list[int]]:
@@ -192,7 +181,7 @@ def test_a_flush_or_a_detach_hands_over_the_steps_closed_in_cpp(monkeypatch):
     assert s.recorder.quiet.closed == 8
     fadiag.detach()
     assert [r.step for r in s.history()] == list(range(1, 14))
-    assert _metric(s, "fadiag_steps_total") == 13
+    assert sample(s, "fadiag_steps_total") == 13
     assert all(len(r.calls) == LAYERS for r in s.history())
 
 
@@ -215,7 +204,7 @@ def test_an_error_in_the_hook_never_reaches_the_optimizer_and_is_counted_once(ca
         for i in range(1, 5):
             train_one(model, opt, seed=i)
     assert rec.quiet.native.errors() == 1
-    assert _metric(s, "fadiag_internal_errors_total") == 1
+    assert sample(s, "fadiag_internal_errors_total") == 1
     assert sum("recorder.quiet" in r.getMessage() for r in caplog.records) == 1
     assert s.flush(10)
     assert [r.step for r in s.history()] == list(range(1, 9))
@@ -237,11 +226,8 @@ def test_with_a_report_rate_the_steps_closed_in_cpp_reach_the_metrics_counted_in
     assert s.flush(10)
     reported = len(s.history())
     assert s.recorder.quiet.closed == 15  # as in the test above: 5-7, 10-13, 16-19, 22-25
-    assert _metric(s, "fadiag_steps_total") == 27
-    assert _metric(s, "fadiag_steps_unreported_total") == 27 - reported >= 15
-    registry = CollectorRegistry()
-    registry.register(s.metrics)
-    impl = {"rank": "0", "impl": "cpu_flash"}
-    assert registry.get_sample_value("fadiag_attention_calls_total", impl) == 27 * LAYERS
-    assert registry.get_sample_value("fadiag_attention_backward_seconds_count", impl) == 27 * LAYERS
+    assert sample(s, "fadiag_steps_total") == 27
+    assert sample(s, "fadiag_steps_unreported_total") == 27 - reported >= 15
+    assert sample(s, "fadiag_attention_calls_total", impl="cpu_flash") == 27 * LAYERS
+    assert sample(s, "fadiag_attention_backward_seconds_count", impl="cpu_flash") == 27 * LAYERS
     assert s.resolver._steady.counted >= 15
