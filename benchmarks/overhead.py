@@ -179,6 +179,19 @@ def variant(name: str, model: nn.Module):
             # Every call started by Recorder.begin in Python: the C++ fast path never learns a
             # signature (what ran before design change 10).
             session.recorder._remember = lambda *learned: None
+        if name.startswith("fadiag_split_runs"):
+            # Steps closed in C++ handed over one ClosedStep each, on the training thread, as
+            # before they went to the resolver as one run (steps/quiet.py's QuietRun).
+            on_step = session.recorder._on_step
+
+            def split_runs(step) -> None:
+                if isinstance(step, quiet_module.QuietRun):
+                    for _ in range(len(step)):
+                        on_step(step.split())
+                else:
+                    on_step(step)
+
+            session.recorder._on_step = split_runs
         tap_only = name.startswith("fadiag_tap_only")
         if tap_only:
             # The Python wrapper taken off SDPA: eager calls reach the dispatcher tap as compiled
@@ -283,7 +296,10 @@ def inline_resolution(session):
             raise RuntimeError(f"{len(pending)} closed steps not resolved after a synchronise")
 
     def submit(step) -> None:
-        pending.append(step)
+        if isinstance(step, quiet_module.QuietRun):  # steps closed in C++: one at a time
+            pending.extend(step.split() for _ in range(len(step)))
+        else:
+            pending.append(step)
         resolve(False)
 
     def settle() -> None:

@@ -47,6 +47,7 @@ from fadiag.steps import boundary, quiet, recorder, resolver  # noqa: E402
 # set once the session exists (the "rules" and "sinks" owners).
 PIECES = (
     (resolver.Resolver, "_count_run", "steady steps counted in a run"),
+    (resolver.Resolver, "_quiet_head", "steps closed in C++, a run's head"),
     (resolver.Resolver, "_try_resolve", "a step resolved alone"),
     (boundary.ClosedStep, "take_tap", "  the tap's records joined"),
     (resolver.Resolver, "_report", "  the report"),
@@ -116,7 +117,11 @@ def main() -> None:
             setattr(owners[owner], attr, timed(times[label], getattr(owners[owner], attr)))
     held: list = []
     if args.replay:
-        session.resolver.submit = held.append
+        # Steps closed in C++ (a QuietRun) are held as the ClosedSteps the resolver makes of
+        # them one at a time (QuietRun.split): the replay resolves one step at a time.
+        session.resolver.submit = lambda closed: held.extend(
+            [closed.split() for _ in range(len(closed))]
+            if isinstance(closed, quiet.QuietRun) else [closed])
         # Replayed one by one, every step would be the newest handed over, which is always
         # reported: with a rate set, the others are counted as they would be in situ.
         session.resolver._newest = lambda step: False

@@ -36,6 +36,7 @@ from .rules import baseline as baseline_mod
 from .rules.engine import Rules
 from .steps.boundary import ClosedStep
 from .steps.own_cost import OwnCost, Totals
+from .steps.quiet import QuietRun
 from .steps.recorder import Recorder
 from .steps.records import Flag, StepReport
 from .steps.resolver import Resolver
@@ -176,7 +177,7 @@ class Session:
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.recorder.step_hook()
 
-    def _on_step(self, closed: ClosedStep) -> None:
+    def _on_step(self, closed: ClosedStep | QuietRun) -> None:
         # Host-clock timings carry every preemption: read, at the boundary, how long the
         # process waited for a CPU, so the rules can tell a busy machine from slow attention.
         if closed.host_clock:

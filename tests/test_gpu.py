@@ -479,12 +479,7 @@ def test_steady_bypassed_steps_close_in_cpp_at_the_optimizer_step(monkeypatch):
     """steps/quiet.py on a card: every bypassed step that opens another bypassed one is closed by
     the tap's C++ hook, not the Python boundary; each is reported as the wrapper measures it."""
     from fadiag.steps import quiet
-    from fadiag.steps.boundary import ClosedStep
 
-    class ClosedInCpp(ClosedStep):  # what QuietSteps.take makes of a step the hook closed
-        __slots__ = ()
-
-    monkeypatch.setattr(quiet, "ClosedStep", ClosedInCpp)
     monkeypatch.setattr(quiet, "_CAP_S", 60.0)  # runs as long as the verify cadence allows
     model = GPT(layers=4, dim=256, heads=4, vocab=128).cuda().to(torch.bfloat16)
     opt = torch.optim.AdamW(model.parameters(), fused=True)
@@ -492,9 +487,15 @@ def test_steady_bypassed_steps_close_in_cpp_at_the_optimizer_step(monkeypatch):
     session = attach("tap", **{"steps.verify_every": 10})
     handed: list[tuple[int, bool, bool]] = []  # index, bypassed, closed in C++
     submit = session.resolver.submit
-    session.resolver.submit = lambda step: (
-        handed.append((step.index, step.order is not None, isinstance(step, ClosedInCpp))),
-        submit(step))
+
+    def written(step) -> None:  # a run of steps closed in C++ (QuietRun), or one the boundary's
+        if isinstance(step, quiet.QuietRun):
+            handed.extend((step.first + i, step.order is not None, True) for i in range(len(step)))
+        else:
+            handed.append((step.index, step.order is not None, False))
+        submit(step)
+
+    session.resolver.submit = written
 
     def steps(n: int, flush: bool) -> None:
         for _ in range(n):

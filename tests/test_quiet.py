@@ -1,15 +1,17 @@
 """Steady bypassed steps closed in C++ at the optimizer's step (fadiag/steps/quiet.py).
 
 The tap's QuietSteps hook closes a bypassed step that the Python boundary would close as one
-matching its order with nothing else to do, and hands the steps over at the next Python boundary.
-What reaches the resolver must be exactly what the Python boundary alone hands it: the same steps,
-in order, each with its index, its order, its records; the same reports, counts and metrics.
+matching its order with nothing else to do, and hands the steps over at the next Python boundary,
+as one QuietRun. What reaches the resolver must be exactly what the Python boundary alone hands
+it: the same steps, in order, each with its index, its order, its records; the same reports,
+counts and metrics.
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import threading
 
 import pytest
 import torch
@@ -18,24 +20,13 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import fadiag
 from fadiag.steps import quiet
 from fadiag.steps.boundary import ClosedStep
+from fadiag.steps.quiet import QuietRun
 from tests.metrics import call_rows, sample
 from tests.models import GPT, train
 from tests.native_marks import NEEDS_TAP
 
 SEQ, BATCH, DIM, HEADS, LAYERS = 64, 2, 32, 2, 3
 pytestmark = NEEDS_TAP
-
-
-class ClosedInCpp(ClosedStep):
-    """What QuietSteps.take makes of a step the hook closed, in these tests: a ClosedStep that
-    says so."""
-
-    __slots__ = ()
-
-
-@pytest.fixture(autouse=True)
-def _told(monkeypatch):
-    monkeypatch.setattr(quiet, "ClosedStep", ClosedInCpp)
 
 
 class Run:
@@ -50,11 +41,17 @@ class Run:
         submit = self.session.resolver.submit
 
         def written(step) -> None:
-            batch = step.tap_batch
-            self.handed.append((step.index, step.order is not None, step.learn_order,
-                                step.verifies, len(step.calls), 0 if batch is None else len(batch)))
-            if isinstance(step, ClosedInCpp):
-                self.closed_in_cpp.append(step.index)
+            # A run's steps as the ClosedSteps the resolver makes of them (QuietRun.split), on
+            # copies: the run itself goes on whole.
+            steps = ([_copy(step, i).split() for i in range(len(step))]
+                     if isinstance(step, QuietRun) else [step])
+            for one in steps:
+                batch = one.tap_batch
+                self.handed.append((one.index, one.order is not None, one.learn_order,
+                                    one.verifies, len(one.calls),
+                                    0 if batch is None else len(batch)))
+                if isinstance(step, QuietRun):
+                    self.closed_in_cpp.append(one.index)
             submit(step)
 
         self.session.resolver.submit = written
@@ -76,6 +73,12 @@ class Run:
                 "unmeasured": rec.unmeasured_totals(),
                 "flags": [f.rule for r in s.history() for f in r.flags],
                 "steps_total": sample(s, "fadiag_steps_total")}
+
+
+def _copy(run: QuietRun, i: int) -> QuietRun:
+    """A run of `run`'s steps from its `i`-th on (the same cuts), to split without changing it."""
+    return QuietRun(run.first + i, run.batches[i:], run.closed[i:], run.wall[i:], run.order,
+                    run.device, run.tap)
 
 
 def _both(monkeypatch, body) -> tuple[dict, dict, list[int]]:
@@ -231,3 +234,78 @@ def test_with_a_report_rate_the_steps_closed_in_cpp_reach_the_metrics_counted_in
     assert sample(s, "fadiag_attention_calls_total", impl="cpu_flash") == 27 * LAYERS
     assert sample(s, "fadiag_attention_backward_seconds_count", impl="cpu_flash") == 27 * LAYERS
     assert s.resolver._steady.counted >= 15
+
+
+def _held_run(monkeypatch, steps: int) -> tuple[fadiag.Session, list]:
+    """A bypassing session with a report rate, whose resolver thread is stopped once the bypassed
+    step's shape is learned: `steps` more optimizer steps (the first closed by Python, the others
+    in C++) and a flush, their closed steps left for the test to resolve on its own thread
+    (`Resolver._resolve_pending`)."""
+    monkeypatch.setattr(quiet, "_CAP_HOST_S", 60.0)
+    torch.manual_seed(0)
+    model = GPT(layers=LAYERS, dim=DIM, heads=HEADS)
+    s = fadiag.attach(port=0, tap="on", **{"steps.verify_every": 100,
+                                          "sampling.reports_per_second": 1e-6})
+    for i in range(4):  # signatures, the order, then a bypassed step resolved (its shape learned)
+        train(model, 1, seq=SEQ, batch=BATCH, seed=i)
+        assert s.flush(10)
+    assert s.resolver._steady.learned(False) is not None
+    s.resolver.stop()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for i in range(steps):
+        train_one(model, opt, seed=10 + i)
+    s.flush(0)  # a manual boundary: the run handed over; no resolver waits
+    pending = s.resolver._pending
+    while not s.resolver._queue.empty():
+        pending.append(s.resolver._queue.get_nowait())
+    return s, [p for p in pending if not isinstance(p, threading.Event)]
+
+
+def test_a_run_is_counted_in_cpp_whole_and_only_its_newest_step_made_a_closed_step(monkeypatch):
+    s, handed = _held_run(monkeypatch, steps=10)
+    assert [type(h) for h in handed] == [ClosedStep, QuietRun] and len(handed[1]) == 9
+    first, last = handed[0].index, handed[1].first + 8
+    split = []
+    real_split = QuietRun.split
+    monkeypatch.setattr(QuietRun, "split", lambda run: split.append(run.first) or real_split(run))
+    counted = s.resolver._steady.counted
+    reports = len(s.history())
+    s.resolver._resolve_pending()
+    assert not s.resolver._pending
+    # The Python boundary's step and the run's first eight counted in C++; the newest, the run's
+    # last, made a ClosedStep and reported, counting the nine before it.
+    assert s.resolver._steady.counted - counted == 9
+    assert split == [last]
+    assert [r.step for r in s.history()[reports:]] == [last]
+    assert s.history()[-1].counted_before == 9 and len(s.history()[-1].calls) == LAYERS
+    assert last == first + 9
+    assert s.devices.timer("cpu").marks_in_use() == 0
+    fadiag.detach()
+    assert sample(s, "fadiag_steps_total") == last
+    assert sample(s, "fadiag_attention_calls_total", impl="cpu_flash") == last * LAYERS
+
+
+def test_a_run_the_resolver_cannot_resolve_loses_its_first_step_alone(monkeypatch):
+    s, handed = _held_run(monkeypatch, steps=6)
+    run = handed[1]
+    first, last = run.first, run.first + len(run) - 1
+    reports = len(s.history())
+    real = s.resolver._quiet_head
+    failed = []
+
+    def once(r):
+        if not failed:
+            failed.append(r.first)
+            raise RuntimeError("resolver bug")
+        return real(r)
+
+    monkeypatch.setattr(s.resolver, "_quiet_head", once)
+    with pytest.raises(RuntimeError):
+        s.resolver._resolve_pending()
+    s.resolver._drop_head()  # as the resolver's loop does after an error
+    assert failed == [first] and s.resolver._pending[0] is run and run.first == first + 1
+    s.resolver._resolve_pending()
+    assert not s.resolver._pending
+    assert [r.step for r in s.history()[reports:]] == [last]
+    assert s.devices.timer("cpu").marks_in_use() == 0  # the dropped step's marks came back too
+    fadiag.detach()

@@ -214,9 +214,17 @@ def test_a_step_that_verifies_the_order_is_resolved_in_python_and_the_bypassed_a
     count_run = steady_module.SteadySteps.count_run
     try_resolve = resolver_module.Resolver._try_resolve
 
+    count_quiet = steady_module.SteadySteps.count_quiet
+
     def counting_run(self, steps, give_up):
         done, why = count_run(self, steps, give_up)
         in_cpp.extend(s.index for s in steps[:done])
+        return done, why
+
+    def counting_quiet(self, run, n, grace_s):  # steps closed in C++, handed over as a run
+        first = run.first
+        done, why = count_quiet(self, run, n, grace_s)
+        in_cpp.extend(range(first, first + done))
         return done, why
 
     def resolving(self, step):
@@ -227,6 +235,7 @@ def test_a_step_that_verifies_the_order_is_resolved_in_python_and_the_bypassed_a
         return resolved
 
     monkeypatch.setattr(steady_module.SteadySteps, "count_run", counting_run)
+    monkeypatch.setattr(steady_module.SteadySteps, "count_quiet", counting_quiet)
     monkeypatch.setattr(resolver_module.Resolver, "_try_resolve", resolving)
     session = fadiag.attach(**RATE, **{"steps.verify_every": 5})
     try:

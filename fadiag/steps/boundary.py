@@ -12,11 +12,14 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..capture.calls import Call
 from ..capture.device import Devices
 from ..capture.sites import Sites
+
+if TYPE_CHECKING:
+    from .quiet import QuietRun
 
 _UNREAD = object()
 _RESOLVER_COUNTS = ("no_grad", "unrecorded", "graph_capture_backward")
@@ -108,7 +111,7 @@ class StepBoundaries:
 
     def __init__(self, devices: Devices, *, every_n_steps: int, record_no_grad: bool,
                  fallback_after: int, on_error: Callable[[str, BaseException], None],
-                 on_step: Callable[[ClosedStep], None]):
+                 on_step: Callable[[ClosedStep | QuietRun], None]):
         self.devices = devices
         self.every_n_steps = every_n_steps
         self.record_no_grad = record_no_grad

@@ -8,6 +8,7 @@ says how many such steps came before it (`StepReport.counted_before`).
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from typing import Any, Protocol
 
@@ -57,6 +58,11 @@ class ReportRate:
         """Whether a step closed at `closed` is reported whatever it holds (1/rate has passed
         since the last report, or no rate is set)."""
         return self.per_second <= 0 or closed >= self._next_at
+
+    def due_from(self, closed: Sequence[float]) -> int:
+        """How many of the steps closed at `closed` (in order) come before the first that `due`
+        says is reported."""
+        return 0 if self.per_second <= 0 else bisect.bisect_left(closed, self._next_at)
 
     def counted_only(self, closed: float, steady: bool) -> bool:
         """Whether a step closed at `closed` (monotonic s) is counted, not reported: a steady one

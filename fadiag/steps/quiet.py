@@ -11,15 +11,19 @@ its order with nothing else to do: no call of the eager wrapper's, nothing pendi
 unmeasured, the same unbroken order, every call of SDPA's builtins one of the tap's records,
 something trained. It keeps the step's cut and its times. The first step that is anything else
 disarms it and goes to the Python boundary, which first hands over the steps closed in C++, in
-order, as the ClosedSteps it would have made of them (`take`). A run lasts at most _CAP_S
-(host-clock steps: _CAP_HOST_S, as often as the CPU wait is read, capture/host.py; the first step
-after arming is always closed), so the resolver gets its steps about as it would.
+order, as one QuietRun (`take`): no Python object a step on the training thread. The resolver
+counts a run's steps in one C++ call where it counts steady steps at all (steps/steady.py), and
+makes the ClosedStep the Python boundary would have made of each other step, one at a time, when
+it comes to it (`QuietRun.split`): one due for a report, the newest, one not shaped as the
+learned step. A run lasts at most _CAP_S (host-clock steps: _CAP_HOST_S, as often as the CPU
+wait is read, capture/host.py; the first step after arming is always closed), so the resolver
+gets its steps about as it would.
 
 Example (the Recorder's)::
 
     quiet = QuietSteps(tap, recorder, recorder.optimizer_step)
     recorder.step_hook = quiet.native.step  # the optimizer's post hook calls it
-    quiet.take(recorder)                    # at each Python boundary, first
+    quiet.take(recorder)                    # at each Python boundary, first: a QuietRun
     quiet.arm(recorder)                     # at its end, once the next step is open
 """
 
@@ -71,22 +75,69 @@ class QuietSteps:
                         sum(rec.unmeasured.values()), _CAP_HOST_S if self._host_clock else _CAP_S)
 
     def take(self, rec: Any) -> None:
-        """At a Python boundary, first: the steps closed in C++ since the last, handed over in order
-        as the Python boundary would have (each a ClosedStep with its own index and times, named by
-        the armed order), and the recorder's and the bypass's counts moved on."""
-        entries, seen = self.native.take()
+        """At a Python boundary, first: the steps closed in C++ since the last, handed over as one
+        QuietRun (each with its own index and times, named by the armed order), and the
+        recorder's and the bypass's counts moved on as the Python boundary would have."""
+        batches, closed, wall, seen = self.native.take()
         errors = int(self.native.errors())
         if errors != self._errors:  # the hook gave the step to Python: training went on
             rec._on_error("recorder.quiet", RuntimeError(
                 f"{errors - self._errors} step(s) not closed in C++ (attributes unreadable)"))
             self._errors = errors
-        if not entries:
+        if not batches:
             return
-        tap = rec.tap
-        device = rec._tap_device()
-        for batch, closed, wall_time in entries:
-            step = ClosedStep(rec.step_index, [], device, None, tap, batch)
-            step.closed, step.wall_time, step.order = closed, wall_time, self._order
-            rec.step_index += 1
-            rec._on_step(step)
-        rec.bypass.closed_quietly(len(entries), seen)
+        run = QuietRun(rec.step_index, batches, closed, wall, self._order, rec._tap_device(),
+                       rec.tap)
+        rec.step_index += len(batches)
+        rec._on_step(run)
+        rec.bypass.closed_quietly(len(batches), seen)
+
+
+class QuietRun:
+    """Bypassed steps closed in C++ in a row, handed to the resolver as one item: what the Python
+    boundary would have made a ClosedStep each of (index, cut, times, order; no wrapper's call,
+    nothing unmeasured), in order. The resolver counts its head steps in C++ (steps/steady.py)
+    or takes them one at a time as ClosedSteps (`split`); `calls` is empty, as each step's is."""
+
+    __slots__ = ("first", "batches", "closed", "wall", "order", "device", "tap", "cpu_wait")
+
+    calls: tuple[()] = ()
+
+    def __init__(self, first: int, batches: list[Any], closed: list[float], wall: list[float],
+                 order: Any, device: int | None, tap: Any):
+        self.first = first
+        """The index of its first step; the others follow it."""
+        self.batches, self.closed, self.wall = batches, closed, wall
+        """Per step: the tap's cut, and when it closed (time.monotonic, time.time)."""
+        self.order, self.device, self.tap = order, device, tap
+        self.cpu_wait: float | None = None
+        """Host-clock steps: the process's CPU wait, read once for the run (Session._on_step)."""
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    @property
+    def host_clock(self) -> bool:
+        """Whether its steps' timings are the host clock's (ClosedStep.host_clock)."""
+        return "cuda" not in self.tap.timers
+
+    def consume(self, n: int) -> None:
+        """Its first `n` steps were counted (their cuts consumed): taken off it."""
+        if n:
+            del self.batches[:n], self.closed[:n], self.wall[:n]
+            self.first += n
+
+    def split(self) -> ClosedStep:
+        """Its first step, taken off it, as the ClosedStep the Python boundary would have made."""
+        step = ClosedStep(self.first, [], self.device, None, self.tap, self.batches[0])
+        step.closed, step.wall_time, step.order = self.closed[0], self.wall[0], self.order
+        step.cpu_wait = self.cpu_wait
+        del self.batches[0], self.closed[0], self.wall[0]
+        self.first += 1
+        return step
+
+    def drop_tap(self) -> None:
+        """None of its steps will be resolved: every cut's marks given back."""
+        batches, self.batches, self.closed, self.wall = self.batches, [], [], []
+        for batch in batches:
+            self.tap.release(batch)

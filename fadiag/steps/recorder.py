@@ -32,7 +32,7 @@ from ..capture.graph import (
 from ..capture.ops import mask_key, quick_sdpa
 from .boundary import ClosedStep, StepBoundaries
 from .bypass import Bypass
-from .quiet import QuietSteps
+from .quiet import QuietRun, QuietSteps
 
 _CONFIG_EVERY_S = 1.0
 """How often, at most, a step boundary reads dynamo's compiled_autograd config flag: the read
@@ -79,7 +79,7 @@ class Recorder(StepBoundaries):
     def __init__(self, devices: Devices, *, every_n_steps: int = 1, record_no_grad: bool = False,
                  max_calls_per_step: int = 4096, fallback_after: int = 32, verify_every: int = 0,
                  on_error: Callable[[str, BaseException], None],
-                 on_step: Callable[[ClosedStep], None]):
+                 on_step: Callable[[ClosedStep | QuietRun], None]):
         super().__init__(devices, every_n_steps=every_n_steps, record_no_grad=record_no_grad,
                          fallback_after=fallback_after, on_error=on_error, on_step=on_step)
         self.max_calls = max_calls_per_step

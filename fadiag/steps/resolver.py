@@ -20,6 +20,7 @@ from ..capture.timers import relax_capture_mode
 from .boundary import ClosedStep
 from .counting import Counter, ReportRate, finite_seconds, rows
 from .peaks import StepPeaks
+from .quiet import QuietRun
 from .records import CallRecord, StepReport
 from .steady import SteadySteps
 
@@ -72,10 +73,13 @@ class Resolver:
         self.unmeasured = {} if unmeasured is None else unmeasured
         """Calls found unmeasured here, by reason, cumulative (the recorder's
         `resolved_unmeasured`, which its totals read)."""
-        self._queue: queue.SimpleQueue[ClosedStep | threading.Event] = queue.SimpleQueue()
-        """Closed steps in order, and flush()'s markers among them: a marker is set once every
-        step submitted before it is resolved or dropped (so submit() takes no lock)."""
-        self._pending: collections.deque[ClosedStep | threading.Event] = collections.deque()
+        self._queue: queue.SimpleQueue[ClosedStep | QuietRun | threading.Event] = (
+            queue.SimpleQueue())
+        """Closed steps in order (one at a time, or a run of them closed in C++: steps/quiet.py),
+        and flush()'s markers among them: a marker is set once every step submitted before it is
+        resolved or dropped (so submit() takes no lock)."""
+        self._pending: collections.deque[ClosedStep | QuietRun | threading.Event] = (
+            collections.deque())
         self._stop = threading.Event()
         self._hurry = threading.Event()
         """Set by flush(): someone waits for the results, so nothing is deferred."""
@@ -87,8 +91,9 @@ class Resolver:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, step: ClosedStep) -> None:
-        """Hand over a closed step; it wakes nothing (the thread looks every _BATCH_S)."""
+    def submit(self, step: ClosedStep | QuietRun) -> None:
+        """Hand over a closed step, or a run of them; it wakes nothing (the thread looks every
+        _BATCH_S)."""
         self._queue.put(step)
 
     def stop(self, timeout: float = 5.0) -> None:
@@ -104,7 +109,7 @@ class Resolver:
         """Wait until every step submitted so far is resolved; True if it happened in time."""
         if not self._thread.is_alive():
             return self._queue.empty() and not any(
-                isinstance(s, ClosedStep) for s in self._pending)
+                isinstance(s, (ClosedStep, QuietRun)) for s in self._pending)
         done = threading.Event()
         self._queue.put(done)
         self._hurry.set()
@@ -148,16 +153,24 @@ class Resolver:
             except Exception as e:
                 self._on_error("resolver", e)
                 if self._pending:
-                    # A step that cannot be resolved is dropped, once, and its marks given back.
-                    dropped = self._pending.popleft()
-                    if isinstance(dropped, ClosedStep):
-                        try:
-                            dropped.drop_tap()
-                        except Exception as e2:
-                            self._on_error("resolver.tap", e2)
-                        self._release(dropped.calls)
-                    else:
-                        dropped.set()
+                    self._drop_head()
+
+    def _drop_head(self) -> None:
+        """A step that cannot be resolved is dropped, once, and its marks given back (of a run of
+        steps closed in C++, its first); a flush() marker is set."""
+        head = self._pending[0]
+        if isinstance(head, QuietRun) and len(head) > 1:
+            dropped: ClosedStep | QuietRun | threading.Event = head.split()
+        else:
+            dropped = self._pending.popleft()
+        if isinstance(dropped, threading.Event):
+            dropped.set()
+            return
+        try:
+            dropped.drop_tap()
+        except Exception as e:
+            self._on_error("resolver.tap", e)
+        self._release(list(dropped.calls))
 
     def _resolve_pending(self) -> None:
         """One pass: resolve pending steps in order until one the device has not passed."""
@@ -172,6 +185,10 @@ class Resolver:
                 continue
             if windowed:
                 windowed = self._await_window()
+            if isinstance(head, QuietRun):
+                if not self._quiet_head(head):
+                    break
+                continue
             counted, why = self._count_run()
             if why == 0:  # a mark the device has not passed
                 break
@@ -193,6 +210,29 @@ class Resolver:
         counted, why = steady.count_head(self._pending, newest, self.rate.due, _BACKWARD_GRACE_S)
         self.rate.counted += counted  # closed before a report was due: as counted_only counts
         return counted, why
+
+    def _quiet_head(self, run: QuietRun) -> bool:
+        """Steps closed in C++ at the head: those before one due for a report (and before the
+        newest) counted in one C++ call where steady steps are counted; the first that is not,
+        made the ClosedStep the Python boundary would have made of it and put before the rest,
+        to be resolved as one. False: a mark the device has not passed (nothing changed)."""
+        steady = self._steady_for(run)
+        if steady is not None:
+            newest = self._newest(run)  # its last step: always reported
+            n = self.rate.due_from(run.closed[:len(run) - 1] if newest else run.closed)
+            if n:
+                counted, why = steady.count_quiet(run, n, _BACKWARD_GRACE_S)
+                self.rate.counted += counted  # closed before a report was due, as _count_run's
+                if why == 0:
+                    return False
+        if not run:
+            self._pending.popleft()
+            return True
+        step = run.split()
+        if not run:
+            self._pending.popleft()
+        self._pending.appendleft(step)
+        return True
 
     def _await_window(self) -> bool:
         """With native marks, wait for a backward window before resolving a step; False when the
@@ -290,7 +330,7 @@ class Resolver:
             self._report(step, kept)
         return True
 
-    def _steady_for(self, step: ClosedStep) -> SteadySteps | None:
+    def _steady_for(self, step: ClosedStep | QuietRun) -> SteadySteps | None:
         """The C++ counting of steady steps for `step`'s tap, where steps are counted at all."""
         if self._counter is None or self.rate.per_second <= 0 or step.tap is None:
             return None
@@ -305,17 +345,19 @@ class Resolver:
         if summed is not None and self._counter is not None:
             self._counter.merge(*summed)
 
-    def _newest(self, step: ClosedStep) -> bool:
-        """Whether `step` is the newest closed step handed over (none after it pending), looked
-        for from the end (flush markers are all that can follow it)."""
+    def _newest(self, step: ClosedStep | QuietRun) -> bool:
+        """Whether `step` is the newest closed step (or run) handed over (none after it pending),
+        looked for from the end (flush markers are all that can follow it)."""
         if not self._queue.empty():
             return False
         last = self._last_pending()
         return last is None or last is step
 
-    def _last_pending(self) -> ClosedStep | None:
-        """The last closed step among the pending ones (flush markers may follow it), or None."""
-        return next((s for s in reversed(self._pending) if isinstance(s, ClosedStep)), None)
+    def _last_pending(self) -> ClosedStep | QuietRun | None:
+        """The last closed step (or run of them) among the pending ones (flush markers may follow
+        it), or None."""
+        return next((s for s in reversed(self._pending)
+                     if isinstance(s, (ClosedStep, QuietRun))), None)
 
     def _release(self, calls: list[Call]) -> None:
         """Give back the marks of calls that will not be timed (a hook that fires later takes a

@@ -23,6 +23,7 @@ Example::
     steady.learn(seen, step.calls)        # a steady step: later ones like it are counted in C++
     steady.count(step, give_up=False)     # 1 counted, 0 not yet, -1 Python's to resolve
     steady.count_head(pending, newest, rate.due, 5.0)  # the steady steps at the head, as a run
+    steady.count_quiet(run, n, 5.0)       # a QuietRun's first n steps (steps/quiet.py), as a run
     metrics.merge(*steady.take())
 """
 
@@ -35,6 +36,7 @@ from typing import Any
 from ..capture.calls import Call
 from .boundary import ClosedStep
 from .counting import KeySums
+from .quiet import QuietRun
 from .records import HOST_BOUND_SHARE
 
 Summed = tuple[int, list[int], float, list[KeySums]]
@@ -151,7 +153,8 @@ class SteadySteps:
             return None
         return learned
 
-    def count_head(self, pending: Any, newest: ClosedStep | None, due: Callable[[float], bool],
+    def count_head(self, pending: Any, newest: ClosedStep | QuietRun | None,
+                   due: Callable[[float], bool],
                    grace_s: float) -> tuple[int, int]:
         """The steps at the head of `pending` (the resolver's deque of closed steps and flush
         markers) that are `in_run`, counted in one C++ call (`count_run`) and taken off it. A run
@@ -180,6 +183,24 @@ class SteadySteps:
                                           give_up)
         for step in steps[:counted]:
             step.tap = step.tap_batch = None
+        self.counted += counted
+        return counted, why
+
+    def count_quiet(self, run: QuietRun, n: int, grace_s: float) -> tuple[int, int]:
+        """The first `n` steps of `run` (bypassed steps closed in C++, each `in_run` but for its
+        order), counted in order in one C++ call as `count_run` counts steps, where the bypassed
+        step learned was named by the same order, unbroken: how many were (taken off the run),
+        and why the next was not; (0, -1) where none may be."""
+        learned = self._learned.get(False)
+        order = run.order
+        if (learned is None or run.tap is not self.tap or order is not learned.order
+                or (order is not None and order.broken)):
+            return 0, -1
+        now = time.monotonic()
+        counted, why = self.tap.count_run(run.batches[:n], learned.shape, self._tally,
+                                          learned.record_keys, learned.recompute,
+                                          [now - c >= grace_s for c in run.closed[:n]])
+        run.consume(counted)
         self.counted += counted
         return counted, why
 

@@ -932,17 +932,19 @@ class QuietSteps {
   void disarm() { armed_ = false; }
   bool armed() const { return armed_; }
 
-  // The steps closed here since the last take, in order, as (batch, closed, wall_time): steady
-  // and wall clock seconds (time.monotonic, time.time); and the builtins' calls counted at the
-  // last (Bypass's `seen`). Disarms.
+  // The steps closed here since the last take, in order: their cuts, the steady and the wall
+  // clock seconds each was closed at (time.monotonic, time.time), three lists; and the builtins'
+  // calls counted at the last (Bypass's `seen`). Disarms.
   py::tuple take() {
     armed_ = false;
-    py::list out;
+    py::list batches, closed, wall;
     for (Entry& e : entries_) {
-      out.append(py::make_tuple(py::cast(std::move(e.batch)), e.closed, e.wall));
+      batches.append(py::cast(std::move(e.batch)));
+      closed.append(e.closed);
+      wall.append(e.wall);
     }
     entries_.clear();
-    return py::make_tuple(out, seen_);
+    return py::make_tuple(batches, closed, wall, seen_);
   }
 
   int64_t closed() const { return closed_; }
