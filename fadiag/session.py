@@ -34,9 +34,8 @@ from .export.server import Server
 from .export.sinks import CallbackSink, FanOut, Sink
 from .rules import baseline as baseline_mod
 from .rules.engine import Rules
-from .steps.boundary import ClosedStep
 from .steps.own_cost import OwnCost, Totals
-from .steps.quiet import QuietRun
+from .steps.quiet import Handed
 from .steps.recorder import Recorder
 from .steps.records import Flag, StepReport
 from .steps.resolver import Resolver
@@ -177,7 +176,7 @@ class Session:
     def _on_optimizer_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         self.recorder.step_hook()
 
-    def _on_step(self, closed: ClosedStep | QuietRun) -> None:
+    def _on_step(self, closed: Handed) -> None:
         # Host-clock timings carry every preemption: read, at the boundary, how long the
         # process waited for a CPU, so the rules can tell a busy machine from slow attention.
         if closed.host_clock:

@@ -19,7 +19,7 @@ from ..capture.device import Devices
 from ..capture.sites import Sites
 
 if TYPE_CHECKING:
-    from .quiet import QuietRun
+    from .quiet import Handed
 
 _UNREAD = object()
 _RESOLVER_COUNTS = ("no_grad", "unrecorded", "graph_capture_backward")
@@ -111,7 +111,7 @@ class StepBoundaries:
 
     def __init__(self, devices: Devices, *, every_n_steps: int, record_no_grad: bool,
                  fallback_after: int, on_error: Callable[[str, BaseException], None],
-                 on_step: Callable[[ClosedStep | QuietRun], None]):
+                 on_step: Callable[[Handed], None]):
         self.devices = devices
         self.every_n_steps = every_n_steps
         self.record_no_grad = record_no_grad

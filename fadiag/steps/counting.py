@@ -1,4 +1,5 @@
-"""Which resolved steps get a report (sampling.reports_per_second), and a counted step's rows.
+"""Which resolved steps get a report (sampling.reports_per_second): a reported step's StepReport,
+a counted step's rows.
 
 A launch-bound job closes a hundred steps a second, and a report per step (records, rules,
 sinks) is most of what the resolver costs it. With a rate set, a steady step between reports
@@ -12,7 +13,7 @@ import bisect
 from collections.abc import Sequence
 from typing import Any, Protocol
 
-from .records import windows_host_bound
+from .records import CallRecord, StepReport, windows_host_bound
 
 Row = tuple[str, str, float, float, bool, bool]
 """A counted call: impl, site, forward seconds, backward seconds, recompute, host-bound."""
@@ -100,3 +101,46 @@ def rows(timed: list[tuple[Any, float, float, int, int]]) -> list[Row]:
         out.append((c.sig.impl, c.site, f, b, c.recompute,
                     windows_host_bound(f, b, fi * 1e-9, bi * 1e-9)))
     return out
+
+
+def step_report(step: Any, timed: list[tuple[Any, float, float, int, int]], rank: int,
+                step_peak: int | None, counted_before: int) -> StepReport:
+    """A reported step's StepReport: `step` a ClosedStep, `timed` as `rows` takes it, with the
+    step's allocator peak and the steps counted before it (ReportRate.reported)."""
+    records: list[CallRecord] = []
+    fwd = bwd = recompute = 0.0
+    kept: int | None = 0
+    standard = 0
+    peak: int | None = None
+    for c, f, b, fi, bi in timed:
+        if f != f:  # the call's forward marks failed (counted as internal errors)
+            continue
+        sig = c.sig
+        f, b = finite_seconds(f), finite_seconds(b)
+        kept_bytes = None if sig.forward_only else sig.kept_bytes
+        # Positional, in CallRecord's field order: a third of the keywords' cost.
+        record = CallRecord(
+            c.site, sig.impl, sig.shape, sig.dtype, sig.causal, sig.dropout, sig.kv_heads,
+            sig.layout, sig.device, f, b, kept_bytes, sig.standard_bytes, sig.peak_bytes,
+            c.recompute, sig.interceptor, sig.fallback_reason, c.probe, sig.forward_only,
+            None, None, fi * 1e-9, bi * 1e-9)
+        if c.extra is not None:  # the op's own per-call fields (flex: sparsity, options)
+            for name, value in c.extra.resolve().items():
+                setattr(record, name, value)
+        records.append(record)
+        bwd += b
+        if c.recompute:
+            recompute += f
+            continue
+        fwd += f
+        standard += sig.standard_bytes
+        kept = None if kept is None or kept_bytes is None else kept + kept_bytes
+        if sig.peak_bytes is not None:
+            peak = sig.peak_bytes if peak is None else max(peak, sig.peak_bytes)
+    if not records:
+        kept = None
+    return StepReport(
+        step=step.index, forward_seconds=fwd, backward_seconds=bwd, kept_bytes=kept,
+        standard_bytes=standard, peak_bytes=peak, step_peak_bytes=step_peak, calls=records,
+        rank=rank, wall_time=step.wall_time, recompute_seconds=recompute,
+        unmeasured=step.unmeasured, cpu_wait=step.cpu_wait, counted_before=counted_before)

@@ -141,3 +141,7 @@ class QuietRun:
         batches, self.batches, self.closed, self.wall = self.batches, [], [], []
         for batch in batches:
             self.tap.release(batch)
+
+
+Handed = ClosedStep | QuietRun
+"""What a step boundary hands the resolver: one closed step, or a run of them closed in C++."""

@@ -30,9 +30,9 @@ from ..capture.graph import (
     in_reentrant_checkpoint,
 )
 from ..capture.ops import mask_key, quick_sdpa
-from .boundary import ClosedStep, StepBoundaries
+from .boundary import StepBoundaries
 from .bypass import Bypass
-from .quiet import QuietRun, QuietSteps
+from .quiet import Handed, QuietSteps
 
 _CONFIG_EVERY_S = 1.0
 """How often, at most, a step boundary reads dynamo's compiled_autograd config flag: the read
@@ -79,7 +79,7 @@ class Recorder(StepBoundaries):
     def __init__(self, devices: Devices, *, every_n_steps: int = 1, record_no_grad: bool = False,
                  max_calls_per_step: int = 4096, fallback_after: int = 32, verify_every: int = 0,
                  on_error: Callable[[str, BaseException], None],
-                 on_step: Callable[[ClosedStep | QuietRun], None]):
+                 on_step: Callable[[Handed], None]):
         super().__init__(devices, every_n_steps=every_n_steps, record_no_grad=record_no_grad,
                          fallback_after=fallback_after, on_error=on_error, on_step=on_step)
         self.max_calls = max_calls_per_step

@@ -18,10 +18,10 @@ from typing import Any
 from ..capture.calls import Call
 from ..capture.timers import relax_capture_mode
 from .boundary import ClosedStep
-from .counting import Counter, ReportRate, finite_seconds, rows
+from .counting import Counter, ReportRate, rows, step_report
 from .peaks import StepPeaks
-from .quiet import QuietRun
-from .records import CallRecord, StepReport
+from .quiet import Handed, QuietRun
+from .records import StepReport
 from .steady import SteadySteps
 
 GRAPH_BACKWARD = "graph_capture_backward"
@@ -37,6 +37,7 @@ every 0.1 s: BENCHMARKS.md, run 86); a report reaches the sinks up to a second a
 _DEFER_S = 0.5
 """With native marks a pass waits, at most this long, for a backward window."""
 _TICK_S = 0.5
+Pending = Handed | threading.Event
 _BACKWARD_GRACE_S = 5.0
 
 
@@ -73,13 +74,11 @@ class Resolver:
         self.unmeasured = {} if unmeasured is None else unmeasured
         """Calls found unmeasured here, by reason, cumulative (the recorder's
         `resolved_unmeasured`, which its totals read)."""
-        self._queue: queue.SimpleQueue[ClosedStep | QuietRun | threading.Event] = (
-            queue.SimpleQueue())
+        self._queue: queue.SimpleQueue[Pending] = queue.SimpleQueue()
         """Closed steps in order (one at a time, or a run of them closed in C++: steps/quiet.py),
         and flush()'s markers among them: a marker is set once every step submitted before it is
         resolved or dropped (so submit() takes no lock)."""
-        self._pending: collections.deque[ClosedStep | QuietRun | threading.Event] = (
-            collections.deque())
+        self._pending: collections.deque[Pending] = collections.deque()
         self._stop = threading.Event()
         self._hurry = threading.Event()
         """Set by flush(): someone waits for the results, so nothing is deferred."""
@@ -91,7 +90,7 @@ class Resolver:
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, step: ClosedStep | QuietRun) -> None:
+    def submit(self, step: Handed) -> None:
         """Hand over a closed step, or a run of them; it wakes nothing (the thread looks every
         _BATCH_S)."""
         self._queue.put(step)
@@ -159,10 +158,8 @@ class Resolver:
         """A step that cannot be resolved is dropped, once, and its marks given back (of a run of
         steps closed in C++, its first); a flush() marker is set."""
         head = self._pending[0]
-        if isinstance(head, QuietRun) and len(head) > 1:
-            dropped: ClosedStep | QuietRun | threading.Event = head.split()
-        else:
-            dropped = self._pending.popleft()
+        dropped: Pending = (head.split() if isinstance(head, QuietRun) and len(head) > 1
+                            else self._pending.popleft())
         if isinstance(dropped, threading.Event):
             dropped.set()
             return
@@ -225,13 +222,11 @@ class Resolver:
                 self.rate.counted += counted  # closed before a report was due, as _count_run's
                 if why == 0:
                     return False
+        step = run.split() if run else None
         if not run:
             self._pending.popleft()
-            return True
-        step = run.split()
-        if not run:
-            self._pending.popleft()
-        self._pending.appendleft(step)
+        if step is not None:
+            self._pending.appendleft(step)
         return True
 
     def _await_window(self) -> bool:
@@ -330,7 +325,7 @@ class Resolver:
             self._report(step, kept)
         return True
 
-    def _steady_for(self, step: ClosedStep | QuietRun) -> SteadySteps | None:
+    def _steady_for(self, step: Handed) -> SteadySteps | None:
         """The C++ counting of steady steps for `step`'s tap, where steps are counted at all."""
         if self._counter is None or self.rate.per_second <= 0 or step.tap is None:
             return None
@@ -345,7 +340,7 @@ class Resolver:
         if summed is not None and self._counter is not None:
             self._counter.merge(*summed)
 
-    def _newest(self, step: ClosedStep | QuietRun) -> bool:
+    def _newest(self, step: Handed) -> bool:
         """Whether `step` is the newest closed step (or run) handed over (none after it pending),
         looked for from the end (flush markers are all that can follow it)."""
         if not self._queue.empty():
@@ -353,7 +348,7 @@ class Resolver:
         last = self._last_pending()
         return last is None or last is step
 
-    def _last_pending(self) -> ClosedStep | QuietRun | None:
+    def _last_pending(self) -> Handed | None:
         """The last closed step (or run of them) among the pending ones (flush markers may follow
         it), or None."""
         return next((s for s in reversed(self._pending)
@@ -370,44 +365,7 @@ class Resolver:
             c.fwd0 = c.fwd1 = c.bwd0 = c.bwd1 = None
 
     def _report(self, step: ClosedStep, timed: list[tuple[Call, float, float, int, int]]) -> None:
-        records: list[CallRecord] = []
-        fwd = bwd = recompute = 0.0
-        kept: int | None = 0
-        standard = 0
-        peak: int | None = None
-        for c, f, b, fi, bi in timed:
-            if f != f:  # the call's forward marks failed (counted as internal errors)
-                continue
-            sig = c.sig
-            assert sig is not None
-            f, b = finite_seconds(f), finite_seconds(b)
-            kept_bytes = None if sig.forward_only else sig.kept_bytes
-            # Positional, in CallRecord's field order: a third of the keywords' cost.
-            record = CallRecord(
-                c.site, sig.impl, sig.shape, sig.dtype, sig.causal, sig.dropout, sig.kv_heads,
-                sig.layout, sig.device, f, b, kept_bytes, sig.standard_bytes, sig.peak_bytes,
-                c.recompute, sig.interceptor, sig.fallback_reason, c.probe, sig.forward_only,
-                None, None, fi * 1e-9, bi * 1e-9)
-            if c.extra is not None:  # the op's own per-call fields (flex: sparsity, options)
-                for name, value in c.extra.resolve().items():
-                    setattr(record, name, value)
-            records.append(record)
-            bwd += b
-            if c.recompute:
-                recompute += f
-                continue
-            fwd += f
-            standard += sig.standard_bytes
-            kept = None if kept is None or kept_bytes is None else kept + kept_bytes
-            if sig.peak_bytes is not None:
-                peak = sig.peak_bytes if peak is None else max(peak, sig.peak_bytes)
-        if not records:
-            kept = None
-        report = StepReport(
-            step=step.index, forward_seconds=fwd, backward_seconds=bwd, kept_bytes=kept,
-            standard_bytes=standard, peak_bytes=peak, step_peak_bytes=self._step_peak(step),
-            calls=records, rank=self.rank, wall_time=step.wall_time, recompute_seconds=recompute,
-            unmeasured=step.unmeasured, cpu_wait=step.cpu_wait, counted_before=self.rate.reported())
+        report = step_report(step, timed, self.rank, self._step_peak(step), self.rate.reported())
         self._merge()  # the steps it counts before it are in the metrics first
         self._on_report(report)
         self.history.append(report)
