@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import fadiag
-from fadiag.capture.tap import TAP_OPS, specs
+from fadiag.capture.tap_ops import TAP_OPS, specs
 from fadiag.steps.records import StepReport
 from tests.metrics import sample
 from tests.models import GPT, train

@@ -41,17 +41,16 @@ class Run:
         submit = self.session.resolver.submit
 
         def written(step) -> None:
-            # A run's steps as the ClosedSteps the resolver makes of them (QuietRun.split), on
-            # copies: the run itself goes on whole.
-            steps = ([_copy(step, i).split() for i in range(len(step))]
-                     if isinstance(step, QuietRun) else [step])
-            for one in steps:
-                batch = one.tap_batch
-                self.handed.append((one.index, one.order is not None, one.learn_order,
-                                    one.verifies, len(one.calls),
+            if isinstance(step, QuietRun):  # each step as the ClosedStep QuietRun.split makes
+                for i, records in enumerate(step.native.sizes()):
+                    self.handed.append((step.first + i, step.order is not None, False, False, 0,
+                                        records))
+                    self.closed_in_cpp.append(step.first + i)
+            else:
+                batch = step.tap_batch
+                self.handed.append((step.index, step.order is not None, step.learn_order,
+                                    step.verifies, len(step.calls),
                                     0 if batch is None else len(batch)))
-                if isinstance(step, QuietRun):
-                    self.closed_in_cpp.append(one.index)
             submit(step)
 
         self.session.resolver.submit = written
@@ -73,12 +72,6 @@ class Run:
                 "unmeasured": rec.unmeasured_totals(),
                 "flags": [f.rule for r in s.history() for f in r.flags],
                 "steps_total": sample(s, "fadiag_steps_total")}
-
-
-def _copy(run: QuietRun, i: int) -> QuietRun:
-    """A run of `run`'s steps from its `i`-th on (the same cuts), to split without changing it."""
-    return QuietRun(run.first + i, run.batches[i:], run.closed[i:], run.wall[i:], run.order,
-                    run.device, run.tap)
 
 
 def _both(monkeypatch, body) -> tuple[dict, dict, list[int]]:
@@ -265,9 +258,17 @@ def test_a_run_is_counted_in_cpp_whole_and_only_its_newest_step_made_a_closed_st
     s, handed = _held_run(monkeypatch, steps=10)
     assert [type(h) for h in handed] == [ClosedStep, QuietRun] and len(handed[1]) == 9
     first, last = handed[0].index, handed[1].first + 8
-    split = []
+    split: list[tuple] = []
     real_split = QuietRun.split
-    monkeypatch.setattr(QuietRun, "split", lambda run: split.append(run.first) or real_split(run))
+
+    def splitting(run: QuietRun) -> ClosedStep:
+        c = real_split(run)
+        split.append((c.index, c.order, c.learn_order, c.verifies, list(c.calls),
+                      len(c.tap_batch), c.closed, c.wall_time))
+        return c
+
+    monkeypatch.setattr(QuietRun, "split", splitting)
+    order, closed = handed[1].order, handed[1].closed()
     counted = s.resolver._steady.counted
     reports = len(s.history())
     s.resolver._resolve_pending()
@@ -275,7 +276,9 @@ def test_a_run_is_counted_in_cpp_whole_and_only_its_newest_step_made_a_closed_st
     # The Python boundary's step and the run's first eight counted in C++; the newest, the run's
     # last, made a ClosedStep and reported, counting the nine before it.
     assert s.resolver._steady.counted - counted == 9
-    assert split == [last]
+    # The ClosedStep the Python boundary would have made of it: its index, order, cut, times.
+    assert [c[:6] for c in split] == [(last, order, False, False, [], LAYERS)]
+    assert split[0][6] == closed[-1] and handed[0].wall_time < split[0][7]
     assert [r.step for r in s.history()[reports:]] == [last]
     assert s.history()[-1].counted_before == 9 and len(s.history()[-1].calls) == LAYERS
     assert last == first + 9

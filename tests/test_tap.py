@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import fadiag
-from fadiag.capture import tap as tap_module
-from fadiag.capture.tap import TapOp
+from fadiag.capture import tap_ops
+from fadiag.capture.tap_ops import TapOp
 from tests.native_marks import NEEDS_TAP
 
 pytestmark = NEEDS_TAP
@@ -90,7 +90,7 @@ class FlashAttnFunc(torch.autograd.Function):
 def flash_attn_like(monkeypatch):
     ops = (TapOp(f"{NS}::_flash_attn_forward", "flash_attn", bshd=True),
            TapOp(f"{NS}::_flash_attn_backward", "flash_attn", True, bshd=True))
-    monkeypatch.setattr(tap_module, "TAP_OPS", tap_module.TAP_OPS + ops)
+    monkeypatch.setattr(tap_ops, "TAP_OPS", tap_ops.TAP_OPS + ops)
 
 
 def _train(q, k, v):

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import collections
 import logging
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from . import order as orders
+from . import tap_ops
 from .attention_op import AttentionOp, CallInfo
 from .calls import Signature
 from .device import NativeTimer
@@ -36,91 +36,11 @@ log = logging.getLogger("fadiag")
 
 SITE = "compiled"
 """Calls the tap measures have no Python call site: `compiled#n` is the n-th in the pass."""
-KEYS = ("CPU", "CUDA")
-"""Backends timed: an op is tapped where it has a kernel for one. torch_npu's ops are not tapped
-(no Ascend hardware to check them on); on NPU the Python interceptors measure them in eager code."""
 _LATER_STEPS = 64
 """Resolutions a linked record waits for its call before its marks are given back."""
 _MIN_TORCH = (2, 9)
 """The oldest torch the tap was built and tested with (OperatorHandle::getComputedKernelForDispatchKey,
 for an op with a kernel of its own at the tap's key, came with 2.9)."""
-
-
-@dataclass(frozen=True)
-class TapOp:
-    """One dispatcher op the tap wraps: its qualified name, the impl it is, and whether it is a
-    backward op. Argument positions are read from its schema, so torch versions may differ."""
-
-    name: str
-    impl: str
-    backward: bool = False
-    bshd: bool = False
-    """(B, S, H, D) tensors, or packed (T, H, D) ones with cumulative lengths (varlen)."""
-
-
-def _pair(forward: str, impl: str, bshd: bool = False,
-          backward: str | None = None) -> tuple[TapOp, TapOp]:
-    """A forward op and its backward op (by default the forward's name + ``_backward``)."""
-    return (TapOp(forward, impl, bshd=bshd),
-            TapOp(backward or forward + "_backward", impl, True, bshd))
-
-
-TAP_OPS: tuple[TapOp, ...] = (
-    *_pair("aten::_scaled_dot_product_flash_attention", "flash"),
-    *_pair("aten::_scaled_dot_product_efficient_attention", "efficient"),
-    *_pair("aten::_scaled_dot_product_cudnn_attention", "cudnn"),
-    *_pair("aten::_scaled_dot_product_flash_attention_for_cpu", "cpu_flash"),
-    *_pair("aten::_flash_attention_forward", "flash", True, "aten::_flash_attention_backward"),
-    *_pair("aten::_efficient_attention_forward", "efficient", True,
-           "aten::_efficient_attention_backward"),
-    *_pair("flash_attn::_flash_attn_forward", "flash_attn", True, "flash_attn::_flash_attn_backward"),
-    *_pair("flash_attn::_flash_attn_varlen_forward", "flash_attn", True,
-           "flash_attn::_flash_attn_varlen_backward"),
-    *_pair("flash_attn_3::_flash_attn_forward", "flash_attn3", True,
-           "flash_attn_3::_flash_attn_backward"),
-)
-
-_ARGS = {
-    "q": ("query", "q"), "k": ("key", "k"), "v": ("value", "v"),
-    "causal": ("is_causal", "causal", "custom_mask_type"), "dropout": ("dropout_p",),
-    "scale": ("scale", "softmax_scale"), "cu_q": ("cum_seq_q", "cu_seqlens_q"),
-    "max_q": ("max_q", "max_seqlen_q"), "max_k": ("max_k", "max_seqlen_k"),
-}
-_KEPT = ("out", "logsumexp", "softmax_lse", "philox_seed", "philox_offset", "rng_state", "unused")
-"""A backward op's arguments that the forward produced and kept for it (not q, k, v, the
-incoming gradient, masks or sequence lengths: those are the caller's)."""
-_LSE = ("logsumexp", "softmax_lse", "softmax_logsumexp", "log_sumexp")
-
-
-def specs() -> list[dict[str, Any]]:
-    """What tap.cpp needs of each op of TAP_OPS present here: positions from its schema, and
-    the backends it has a kernel for (`backends`; an op with none is left out)."""
-    out: list[dict[str, Any]] = []
-    for i, op in enumerate(TAP_OPS):
-        try:
-            schema = torch._C._get_schema(op.name, "")
-        except RuntimeError:  # not in this torch, or its library is not imported
-            continue
-        args = [a.name for a in schema.arguments]
-        rets = [r.name for r in schema.returns]
-        spec: dict[str, Any] = {"name": op.name, "overload": "", "op": i, "backward": op.backward,
-                                "bshd": op.bshd}
-        for field, names in _ARGS.items():
-            spec[field] = next((args.index(n) for n in names if n in args), -1)
-        if op.backward:
-            spec["out"] = args.index("out") if "out" in args else -1
-            spec["lse"] = next((args.index(n) for n in _LSE if n in args), -1)
-            spec["kept"] = [j for j, n in enumerate(args) if n in _KEPT]
-        else:
-            spec["out"] = 0
-            spec["lse"] = next((rets.index(n) for n in _LSE if n in rets), 1)
-        if min(spec["q"], spec["k"], spec["v"]) < 0:
-            continue
-        spec["backends"] = [key for key in KEYS
-                            if torch._C._dispatch_has_kernel_for_dispatch_key(op.name, key)]
-        if spec["backends"]:
-            out.append(spec)
-    return out
 
 
 def supported() -> str | None:
@@ -155,7 +75,7 @@ class Tap:
         tap = Tap(native.load("cpu"), max_records=4096)
         tap.install()
         ...                                    # compiled training
-        batch = tap.cut()                      # at a step boundary (training thread)
+        batch, *_ = tap.cut_step()             # at a step boundary (training thread)
         calls = tap.calls(batch, Call, [])     # the step's calls (resolver thread)
         tap.uninstall()
     """
@@ -202,7 +122,7 @@ class Tap:
         """Per op: "typed" (aten's, unboxed), "boxed", or "wrapped" (its own kernel called)."""
 
     def install(self) -> None:
-        found = specs()
+        found = tap_ops.specs()
         self.how = dict(zip((s["name"] for s in found), self._tap.install(found), strict=True))
         self.ops = sorted(self.how)
         watch_cuda_graphs(self, self._patcher, self.captured)
@@ -239,10 +159,6 @@ class Tap:
         return int(self._tap.counts()["backwards"])
 
     # ---- records -> calls ----------------------------------------------------------------------
-
-    def cut(self) -> Any:
-        """The records since the last cut (a C++ batch), or None: the training thread's part."""
-        return self.cut_step()[0]
 
     def cut_step(self) -> tuple[Any, int, bool, int, int]:
         """A step boundary's cut in one C++ call: the batch (None when empty), its records of
@@ -298,7 +214,8 @@ class Tap:
             self.order = learned
 
     def release(self, batch: Any) -> None:
-        """Give back every mark of a cut that will not be resolved (its step dropped)."""
+        """Give back every mark of a cut (or of the steps left in a TapRun, steps/quiet.py) that
+        will not be resolved (its step dropped)."""
         self._tap.release(batch)
 
     def tally(self, bounds: list[float], host_share: float) -> Any:
@@ -319,6 +236,15 @@ class Tap:
         if self._later:
             return 0, -1
         counted, why = self._tap.count_run(batches, shape, tally, keys, recompute, give_up)
+        return int(counted), int(why)
+
+    def count_quiet(self, run: Any, n: int, shape: int, tally: Any, keys: list[int],
+                    recompute: list[bool], grace_s: float) -> tuple[int, int]:
+        """`count_run` for the first `n` steps left in a TapRun (steps closed in C++), which it
+        takes off the run."""
+        if self._later:
+            return 0, -1
+        counted, why = self._tap.count_quiet(run, n, shape, tally, keys, recompute, grace_s)
         return int(counted), int(why)
 
     def discard(self, batch: Any, call_class: Any) -> None:
@@ -387,7 +313,7 @@ class Tap:
             if sig is None:
                 sig = self._signatures.get(key)
             if sig is None:
-                op = TAP_OPS[op_i]
+                op = tap_ops.TAP_OPS[op_i]
                 sig = self._signatures[key] = signature(
                     op.impl, tuple(shape), dv, kvh, dtype, "cuda" if cuda else "cpu", causal,
                     dropout, op.bshd, kept)

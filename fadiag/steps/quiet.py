@@ -78,69 +78,67 @@ class QuietSteps:
         """At a Python boundary, first: the steps closed in C++ since the last, handed over as one
         QuietRun (each with its own index and times, named by the armed order), and the
         recorder's and the bypass's counts moved on as the Python boundary would have."""
-        batches, closed, wall, seen = self.native.take()
+        native, seen = self.native.take()
         errors = int(self.native.errors())
         if errors != self._errors:  # the hook gave the step to Python: training went on
             rec._on_error("recorder.quiet", RuntimeError(
                 f"{errors - self._errors} step(s) not closed in C++ (attributes unreadable)"))
             self._errors = errors
-        if not batches:
+        if native is None:
             return
-        run = QuietRun(rec.step_index, batches, closed, wall, self._order, rec._tap_device(),
-                       rec.tap)
-        rec.step_index += len(batches)
+        run = QuietRun(rec.step_index, native, self._order, rec._tap_device(), rec.tap)
+        steps = len(native)
+        rec.step_index += steps
         rec._on_step(run)
-        rec.bypass.closed_quietly(len(batches), seen)
+        rec.bypass.closed_quietly(steps, seen)
 
 
 class QuietRun:
     """Bypassed steps closed in C++ in a row, handed to the resolver as one item: what the Python
     boundary would have made a ClosedStep each of (index, cut, times, order; no wrapper's call,
-    nothing unmeasured), in order. The resolver counts its head steps in C++ (steps/steady.py)
-    or takes them one at a time as ClosedSteps (`split`); `calls` is empty, as each step's is."""
+    nothing unmeasured), in order, their cuts and times kept in C++ (`native`, the tap's TapRun).
+    The resolver counts its first steps in C++ (steps/steady.py) or takes them one at a time as
+    ClosedSteps (`split`); `calls` is empty, as each step's is."""
 
-    __slots__ = ("first", "batches", "closed", "wall", "order", "device", "tap", "cpu_wait")
+    __slots__ = ("first", "native", "order", "device", "tap", "cpu_wait")
 
     calls: tuple[()] = ()
 
-    def __init__(self, first: int, batches: list[Any], closed: list[float], wall: list[float],
-                 order: Any, device: int | None, tap: Any):
+    def __init__(self, first: int, native: Any, order: Any, device: int | None, tap: Any):
         self.first = first
-        """The index of its first step; the others follow it."""
-        self.batches, self.closed, self.wall = batches, closed, wall
-        """Per step: the tap's cut, and when it closed (time.monotonic, time.time)."""
+        """The index of its first step left; the others follow it."""
+        self.native = native
         self.order, self.device, self.tap = order, device, tap
         self.cpu_wait: float | None = None
         """Host-clock steps: the process's CPU wait, read once for the run (Session._on_step)."""
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return len(self.native)
 
     @property
     def host_clock(self) -> bool:
         """Whether its steps' timings are the host clock's (ClosedStep.host_clock)."""
         return "cuda" not in self.tap.timers
 
-    def consume(self, n: int) -> None:
-        """Its first `n` steps were counted (their cuts consumed): taken off it."""
-        if n:
-            del self.batches[:n], self.closed[:n], self.wall[:n]
-            self.first += n
+    def closed(self) -> list[float]:
+        """When each step left closed (time.monotonic), in order."""
+        return list(self.native.closed())
+
+    def counted(self, n: int) -> None:
+        """Its first `n` steps were counted in C++, which took them off it."""
+        self.first += n
 
     def split(self) -> ClosedStep:
         """Its first step, taken off it, as the ClosedStep the Python boundary would have made."""
-        step = ClosedStep(self.first, [], self.device, None, self.tap, self.batches[0])
-        step.closed, step.wall_time, step.order = self.closed[0], self.wall[0], self.order
-        step.cpu_wait = self.cpu_wait
-        del self.batches[0], self.closed[0], self.wall[0]
+        batch, closed, wall = self.native.split()
+        step = ClosedStep(self.first, [], self.device, None, self.tap, batch)
+        step.closed, step.wall_time, step.order, step.cpu_wait = closed, wall, self.order, self.cpu_wait
         self.first += 1
         return step
 
     def drop_tap(self) -> None:
-        """None of its steps will be resolved: every cut's marks given back."""
-        batches, self.batches, self.closed, self.wall = self.batches, [], [], []
-        for batch in batches:
-            self.tap.release(batch)
+        """None of its steps will be resolved: the marks of every cut left given back."""
+        self.tap.release(self.native)
 
 
 Handed = ClosedStep | QuietRun

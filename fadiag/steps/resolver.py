@@ -215,8 +215,8 @@ class Resolver:
         to be resolved as one. False: a mark the device has not passed (nothing changed)."""
         steady = self._steady_for(run)
         if steady is not None:
-            newest = self._newest(run)  # its last step: always reported
-            n = self.rate.due_from(run.closed[:len(run) - 1] if newest else run.closed)
+            closed = run.closed()  # the newest run's last step: always reported
+            n = self.rate.due_from(closed[:-1] if self._newest(run) else closed)
             if n:
                 counted, why = steady.count_quiet(run, n, _BACKWARD_GRACE_S)
                 self.rate.counted += counted  # closed before a report was due, as _count_run's

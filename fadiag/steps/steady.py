@@ -196,11 +196,9 @@ class SteadySteps:
         if (learned is None or run.tap is not self.tap or order is not learned.order
                 or (order is not None and order.broken)):
             return 0, -1
-        now = time.monotonic()
-        counted, why = self.tap.count_run(run.batches[:n], learned.shape, self._tally,
-                                          learned.record_keys, learned.recompute,
-                                          [now - c >= grace_s for c in run.closed[:n]])
-        run.consume(counted)
+        counted, why = self.tap.count_quiet(run.native, n, learned.shape, self._tally,
+                                            learned.record_keys, learned.recompute, grace_s)
+        run.counted(counted)
         self.counted += counted
         return counted, why
 

@@ -882,6 +882,17 @@ int64_t get(const py::dict& d, const char* key, int64_t fallback) {
   return d.contains(key) ? d[key].cast<int64_t>() : fallback;
 }
 
+// Steps QuietSteps closed, handed to Python as one object (fadiag/steps/quiet.py's QuietRun):
+// their cuts and when each closed (time.monotonic, time.time), taken from the head by the
+// resolver: counted in C++ (Tap::count_quiet) or one at a time as a TapBatch (`split`). No
+// Python object a step on the training thread.
+struct QuietBatches {
+  std::vector<Batch> batches;
+  std::vector<double> closed, wall;
+  size_t head = 0;
+  size_t size() const { return batches.size() - head; }
+};
+
 // Steady bypassed eager steps closed at the optimizer's step with no Python
 // (fadiag/steps/quiet.py): the recorder's optimizer hook. Armed by the step boundary's Python for
 // the steps that may still be bypassed before one verifies the order, it closes each step the
@@ -932,32 +943,22 @@ class QuietSteps {
   void disarm() { armed_ = false; }
   bool armed() const { return armed_; }
 
-  // The steps closed here since the last take, in order: their cuts, the steady and the wall
-  // clock seconds each was closed at (time.monotonic, time.time), three lists; and the builtins'
-  // calls counted at the last (Bypass's `seen`). Disarms.
+  // The steps closed here since the last take, in order, as one QuietBatches (None: none); and
+  // the builtins' calls counted at the last (Bypass's `seen`). Disarms.
   py::tuple take() {
     armed_ = false;
-    py::list batches, closed, wall;
-    for (Entry& e : entries_) {
-      batches.append(py::cast(std::move(e.batch)));
-      closed.append(e.closed);
-      wall.append(e.wall);
-    }
-    entries_.clear();
-    return py::make_tuple(batches, closed, wall, seen_);
+    if (run_.batches.empty()) return py::make_tuple(py::none(), seen_);
+    py::object run = py::cast(std::move(run_));
+    run_ = QuietBatches{};
+    return py::make_tuple(run, seen_);
   }
 
   int64_t closed() const { return closed_; }
   int64_t errors() const { return errors_; }
 
  private:
-  struct Entry {
-    Batch batch;
-    double closed = 0.0, wall = 0.0;
-  };
-
   bool close() {
-    if (budget_ <= 0 || (!entries_.empty() && steady_ns() > until_ns_)) return false;
+    if (budget_ <= 0 || (!run_.batches.empty() && steady_ns() > until_ns_)) return false;
     if (rec_.attr(since_boundary_name_).cast<int64_t>() != 0 ||
         py::len(rec_.attr(calls_name_)) != 0 || !rec_.attr(pending_name_).is_none()) {
       return false;
@@ -979,8 +980,9 @@ class QuietSteps {
     closed_ += 1;
     state_->reset_in_backward();
     const auto wall = std::chrono::system_clock::now().time_since_epoch();
-    entries_.push_back(Entry{Batch{std::move(*records)}, static_cast<double>(steady_ns()) * 1e-9,
-                             std::chrono::duration<double>(wall).count()});
+    run_.batches.push_back(Batch{std::move(*records)});
+    run_.closed.push_back(static_cast<double>(steady_ns()) * 1e-9);
+    run_.wall.push_back(std::chrono::duration<double>(wall).count());
     return true;
   }
 
@@ -989,7 +991,7 @@ class QuietSteps {
   bool armed_ = false;
   int64_t budget_ = 0, seen_ = 0, counted_ = 0, graph_calls_ = 0, unmeasured_ = 0;
   int64_t until_ns_ = 0, closed_ = 0, errors_ = 0;
-  std::vector<Entry> entries_;
+  QuietBatches run_;
   // The attributes read each step, named once (as EagerWrapper and FastBegin name theirs).
   py::str since_boundary_name_{"calls_since_boundary"}, calls_name_{"calls"},
       pending_name_{"pending"}, unmeasured_name_{"unmeasured"}, order_name_{"order"},
@@ -1003,7 +1005,7 @@ class Tap {
 
   ~Tap() { uninstall(); }
 
-  // A kernel at BackendSelect for each op. `specs`: one dict per op, from fadiag/capture/tap.py.
+  // A kernel at BackendSelect for each op. `specs`: one dict per op, from fadiag/capture/tap_ops.py.
   // Returns, per op, how it is tapped: "typed", "boxed" or "wrapped" (its own kernel there called).
   std::vector<std::string> install(const std::vector<py::dict>& specs) {
     TORCH_CHECK(libraries_.empty(), "fadiag tap: already installed");
@@ -1101,6 +1103,29 @@ class Tap {
                                     const std::vector<bool>& give_up_open_backward) {
     return tally.count_run(*state_, batches, shape, keys, recompute, give_up_open_backward);
   }
+  // The first `n` steps left in a run closed by QuietSteps, counted as count_run counts steps
+  // (a step closed `grace_s` ago or more no longer waits for a backward that started); the
+  // counted ones taken off the run.
+  std::pair<int64_t, int> count_quiet(QuietBatches& run, int64_t n, int64_t shape, Tally& tally,
+                                      const std::vector<int64_t>& keys,
+                                      const std::vector<bool>& recompute, double grace_s) {
+    std::vector<Batch*> batches;
+    std::vector<bool> give_up;
+    const double now = static_cast<double>(steady_ns()) * 1e-9;
+    for (size_t i = run.head; i < run.batches.size() && static_cast<int64_t>(batches.size()) < n;
+         ++i) {
+      batches.push_back(&run.batches[i]);
+      give_up.push_back(now - run.closed[i] >= grace_s);
+    }
+    const auto out = tally.count_run(*state_, batches, shape, keys, recompute, give_up);
+    run.head += static_cast<size_t>(out.first);
+    return out;
+  }
+  // Every mark of the steps left in a run given back (they will not be resolved).
+  void release(QuietBatches& run) {
+    for (size_t i = run.head; i < run.batches.size(); ++i) state_->release(run.batches[i].records);
+    run.head = run.batches.size();
+  }
   py::dict counts() const { return state_->counts(); }
   int64_t oldest_open_ns() { return state_->oldest_open_ns(); }
 
@@ -1163,6 +1188,28 @@ void bind_tap(py::module_& m) {
         }
         return out;
       });
+  py::class_<QuietBatches>(m, "TapRun")
+      .def("__len__", &QuietBatches::size)
+      // The steps left: when each closed (time.monotonic), and its records.
+      .def("closed",
+           [](const QuietBatches& r) {
+             return std::vector<double>(r.closed.begin() + static_cast<std::ptrdiff_t>(r.head),
+                                        r.closed.end());
+           })
+      .def("sizes",
+           [](const QuietBatches& r) {
+             std::vector<int64_t> out;
+             for (size_t i = r.head; i < r.batches.size(); ++i) {
+               out.push_back(static_cast<int64_t>(r.batches[i].records.size()));
+             }
+             return out;
+           })
+      // The first step left, taken off: (its cut, closed, wall).
+      .def("split", [](QuietBatches& r) {
+        if (r.size() == 0) throw py::index_error("no step left in the run");
+        const size_t at = r.head++;
+        return py::make_tuple(py::cast(std::move(r.batches[at])), r.closed[at], r.wall[at]);
+      });
   py::class_<Tally>(m, "Tally")
       .def(py::init<std::vector<double>, double>(), py::arg("bounds"), py::arg("host_share"))
       .def("take", &Tally::take);
@@ -1183,9 +1230,11 @@ void bind_tap(py::module_& m) {
       .def("set_measuring", &Tap::set_measuring)
       .def("cut_step", &Tap::cut_step)
       .def("quiet_steps", &Tap::quiet_steps)
-      .def("release", &Tap::release)
+      .def("release", py::overload_cast<Batch&>(&Tap::release))
+      .def("release", py::overload_cast<QuietBatches&>(&Tap::release))
       .def("count", &Tap::count)
       .def("count_run", &Tap::count_run)
+      .def("count_quiet", &Tap::count_quiet)
       .def("counts", &Tap::counts)
       .def("oldest_open_ns", &Tap::oldest_open_ns)
       .def_static("enter", &Tap::enter)

@@ -89,7 +89,8 @@ def _tap(devices: dict[str, Any]) -> dict[str, Any]:
     """The dispatcher tap (attention in torch.compile'd code): what it would wrap here, and why
     it cannot run where it cannot."""
     from ...capture import native
-    from ...capture.tap import specs, supported
+    from ...capture.tap import supported
+    from ...capture.tap_ops import specs
 
     kind = "cuda" if devices.get("cuda", {}).get("available") else "cpu"
     why = supported()
