@@ -18,7 +18,7 @@ the main thread at a later step boundary, between training steps, as the resolve
 in situ without a second thread: against `--replay`, what cold caches cost it. Usage:
 
     python benchmarks/resolver_cost.py [--device cuda] [--steps 300] [--replay [--profile N] | --inline]
-        [--reports-per-second R] [--no-cpu-wait]
+        [--reports-per-second R] [--no-cpu-wait] [--cap-s S]
 """
 
 from __future__ import annotations
@@ -97,7 +97,12 @@ def main() -> None:
                    help="on CPU, the training thread as a card's host runs it: no CPU wait read "
                         "(host.CpuWait.read answers None) and runs of steps closed in C++ capped "
                         "as device-clock ones (steps/quiet.py)")
+    p.add_argument("--cap-s", type=float, default=None,
+                   help="the longest run of steps closed in C++ before the Python boundary hands "
+                        "them over (steps/quiet.py's _CAP_S; with --no-cpu-wait on CPU too)")
     args = p.parse_args()
+    if args.cap_s is not None:
+        quiet._CAP_S = args.cap_s
     if args.no_cpu_wait:
         host.CpuWait.read = lambda self: None  # type: ignore[method-assign]
         quiet._CAP_HOST_S = quiet._CAP_S
