@@ -152,12 +152,14 @@ def test_a_step_the_hook_cannot_close_goes_to_python_and_the_steps_before_it_fir
     assert set(closed) <= set(_bypassed_before_bypassed(python["handed"]))
 
 
-def _bypassing() -> tuple[fadiag.Session, torch.nn.Module, torch.optim.Optimizer]:
-    """A session whose next steps are bypassed (as `_learned`), with its model and optimizer."""
+def _bypassing(learning: int = 3, **config) -> tuple[fadiag.Session, torch.nn.Module,
+                                                     torch.optim.Optimizer]:
+    """A session (`config` beside the defaults) whose next steps are bypassed (as `_learned`:
+    `learning` steps, each resolved before the next), with its model and optimizer."""
     torch.manual_seed(0)
     model = GPT(layers=LAYERS, dim=DIM, heads=HEADS)
-    s = fadiag.attach(port=0, tap="on", **{"steps.verify_every": 100})
-    for i in range(3):
+    s = fadiag.attach(port=0, tap="on", **{"steps.verify_every": 100, **config})
+    for i in range(learning):
         train(model, 1, seq=SEQ, batch=BATCH, seed=i)
         assert s.flush(10)
     return s, model, torch.optim.AdamW(model.parameters(), lr=1e-3)
@@ -235,16 +237,10 @@ def _held_run(monkeypatch, steps: int) -> tuple[fadiag.Session, list]:
     in C++) and a flush, their closed steps left for the test to resolve on its own thread
     (`Resolver._resolve_pending`)."""
     monkeypatch.setattr(quiet, "_CAP_HOST_S", 60.0)
-    torch.manual_seed(0)
-    model = GPT(layers=LAYERS, dim=DIM, heads=HEADS)
-    s = fadiag.attach(port=0, tap="on", **{"steps.verify_every": 100,
-                                          "sampling.reports_per_second": 1e-6})
-    for i in range(4):  # signatures, the order, then a bypassed step resolved (its shape learned)
-        train(model, 1, seq=SEQ, batch=BATCH, seed=i)
-        assert s.flush(10)
+    # Signatures, the order, then a bypassed step resolved (its shape learned).
+    s, model, opt = _bypassing(4, **{"sampling.reports_per_second": 1e-6})
     assert s.resolver._steady.learned(False) is not None
     s.resolver.stop()
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for i in range(steps):
         train_one(model, opt, seed=10 + i)
     s.flush(0)  # a manual boundary: the run handed over; no resolver waits

@@ -122,7 +122,7 @@ class QuietRun:
 
     def closed(self) -> list[float]:
         """When each step left closed (time.monotonic), in order."""
-        return list(self.native.closed())
+        return self.native.closed()  # type: ignore[no-any-return]
 
     def counted(self, n: int) -> None:
         """Its first `n` steps were counted in C++, which took them off it."""

@@ -146,10 +146,16 @@ class SteadySteps:
         """The step learned of `step`'s kind (`wrapper`: with calls of the eager wrapper's), where
         it may stand for `step` at all: a cut of this tap's, nothing unmeasured, not a step that
         verifies an order (Python learns it), and its calls named by the same order, unbroken."""
+        if step.tap_batch is None or step.unmeasured or step.verifies:
+            return None
+        return self._named_alike(step.tap, step.order, wrapper)
+
+    def _named_alike(self, tap: Any, order: Any, wrapper: bool) -> _Learned | None:
+        """The step learned of its kind (`wrapper`), where steps of `tap` named by `order` are
+        like it: the same tap, the same order, unbroken."""
         learned = self._learned.get(wrapper)
-        if (learned is None or step.tap_batch is None or step.tap is not self.tap
-                or step.unmeasured or step.verifies or step.order is not learned.order
-                or (step.order is not None and step.order.broken)):
+        if (learned is None or tap is not self.tap or order is not learned.order
+                or (order is not None and order.broken)):
             return None
         return learned
 
@@ -191,10 +197,8 @@ class SteadySteps:
         order), counted in order in one C++ call as `count_run` counts steps, where the bypassed
         step learned was named by the same order, unbroken: how many were (taken off the run),
         and why the next was not; (0, -1) where none may be."""
-        learned = self._learned.get(False)
-        order = run.order
-        if (learned is None or run.tap is not self.tap or order is not learned.order
-                or (order is not None and order.broken)):
+        learned = self._named_alike(run.tap, run.order, False)
+        if learned is None:
             return 0, -1
         counted, why = self.tap.count_quiet(run.native, n, learned.shape, self._tally,
                                             learned.record_keys, learned.recompute, grace_s)
