@@ -218,14 +218,22 @@ def variant(name: str, model: nn.Module):
             settle = inline_resolution(session)
         if name == "fadiag_held":
             # As fadiag_no_resolver, but each closed step's marks and tap records are given back
-            # 12 steps later (about when the resolver, waking every 0.1 s, reaches them): what
-            # holding them costs, apart from resolving them.
+            # HELD_STEPS steps later (about when the resolver, waking every _BATCH_S, reaches
+            # them; a run of steps closed in C++ counts as its steps): what holding them costs,
+            # apart from resolving them.
             held: collections.deque = collections.deque()
+            steps_held = [0]
 
             def hold(step) -> None:
                 held.append(step)
-                if len(held) > 12:
+                steps_held[0] += len(step) if isinstance(step, quiet_module.QuietRun) else 1
+                while held:
+                    oldest = held[0]
+                    n = len(oldest) if isinstance(oldest, quiet_module.QuietRun) else 1
+                    if steps_held[0] - n < HELD_STEPS:
+                        break
                     release_marks(held.popleft())
+                    steps_held[0] -= n
 
             def settle() -> None:
                 while held:
@@ -277,6 +285,10 @@ def variant(name: str, model: nn.Module):
     else:
         raise ValueError(name)
 
+
+HELD_STEPS = 60
+"""fadiag_held: how many steps' marks are held before they are given back (a launch-bound step is
+6-10 ms, and the resolver wakes every 0.5 s)."""
 
 # Which marks each fadiag variant really ran with, across all its blocks: recorded with its figure,
 # so a variant that silently fell back to Python marks shows in the result.

@@ -61,7 +61,7 @@ def raw_tap():
     tap.install()
 
     def boundary() -> None:  # the cut (training thread) and the calls (resolver's) both here
-        calls, _, _ = tap.calls(tap.cut(), Call, [])
+        calls, _, _ = tap.calls(tap.cut_step()[0], Call, [])
         for c in calls:
             c.timer.release(c.fwd0, c.fwd1, c.bwd0, c.bwd1)
 
@@ -76,7 +76,7 @@ def released_tap(measuring: bool):
     tap.set_measuring(measuring)
 
     def boundary() -> None:
-        batch = tap.cut()
+        batch = tap.cut_step()[0]
         if batch is not None:
             tap.release(batch)
 
