@@ -32,6 +32,7 @@ SCRIPTS = {
     "resolver_cost --replay": (["--device", "cpu", "--steps", "60", "--replay"], "the report"),
     "resolver_cost --inline": (["--device", "cpu", "--steps", "60", "--inline",
                                 "--reports-per-second", "10", "--no-cpu-wait"], "the report"),
+    "hook_cost": (["--steps", "60"], "QuietSteps.step, from Python"),
     "pool_rounds": (["benchmarks/results/overhead-launch-run130.json",
                      "benchmarks/results/overhead-launch-run131.json"], "2 runs, 144 rounds"),
 }
