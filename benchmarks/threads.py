@@ -118,6 +118,9 @@ def main() -> None:
     setup_device(args.device)
     variants = [v for v in args.variants.split(",")
                 if not (args.device == "cpu" and v.startswith("floor"))]  # the floor is CUDA's
+    if not variants:
+        p.error(f"no variant of --variants {args.variants!r} runs on {args.device} "
+                "(the floor's marks are CUDA's)")
     model, step = phased_step(args.device)
     for _ in range(20):
         step([])

@@ -28,6 +28,8 @@ SCRIPTS = {
                         "with native marks"),
     "in_situ": (["--device", "cpu", "--blocks", "1", "--steps", "5"], "_try_resolve"),
     "threads": (["--device", "cpu", "--pairs", "1", "--steps", "5"], "fadiag: resolves"),
+    "threads --variants": (["--device", "cpu", "--pairs", "1", "--steps", "5", "--variants",
+                            "fadiag_held,fadiag_no_resolver"], "fadiag_held: resolves"),
     "resolver_cost": (["--device", "cpu", "--steps", "60"], "optimizer's hook"),
     "resolver_cost --replay": (["--device", "cpu", "--steps", "60", "--replay"], "the report"),
     "resolver_cost --inline": (["--device", "cpu", "--steps", "60", "--inline",
