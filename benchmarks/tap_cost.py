@@ -129,7 +129,7 @@ def main() -> None:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--calls", type=int, default=3000)
     p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--out", default="tap-cost.json")
+    p.add_argument("--out", default="", help="also write the whole result (every run) here")
     args = p.parse_args()
     rows: dict[str, list[float]] = {"plain": [], "floor": [], "tap_idle": [], "tap_released": [],
                                     "tap": [], "python_library": [], "session": []}
@@ -158,8 +158,9 @@ def main() -> None:
            "minus_plain_us": {k: v - med["plain"] for k, v in med.items() if k != "plain"},
            "runs": rows}
     print(json.dumps({k: out[k] for k in ("us_per_call_fwd_bwd", "minus_plain_us")}, indent=1))
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=1))
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.out).write_text(json.dumps(out, indent=1))
 
 
 if __name__ == "__main__":
