@@ -222,22 +222,21 @@ def variant(name: str, model: nn.Module):
             # them; a run of steps closed in C++ counts as its steps): what holding them costs,
             # apart from resolving them.
             held: collections.deque = collections.deque()
-            steps_held = [0]
+            steps_held = 0
 
             def hold(step) -> None:
+                nonlocal steps_held
                 held.append(step)
-                steps_held[0] += len(step) if isinstance(step, quiet_module.QuietRun) else 1
-                while held:
-                    oldest = held[0]
-                    n = len(oldest) if isinstance(oldest, quiet_module.QuietRun) else 1
-                    if steps_held[0] - n < HELD_STEPS:
-                        break
+                steps_held += steps_in(step)
+                while steps_held - steps_in(held[0]) >= HELD_STEPS:  # the newest always held
+                    steps_held -= steps_in(held[0])
                     release_marks(held.popleft())
-                    steps_held[0] -= n
 
             def settle() -> None:
+                nonlocal steps_held
                 while held:
                     release_marks(held.popleft())
+                steps_held = 0
 
             session.resolver.submit = hold
         if name == "fadiag_burst":
@@ -322,6 +321,11 @@ def inline_resolution(session):
 
     resolver.submit = submit
     return settle
+
+
+def steps_in(handed) -> int:
+    """The steps a closed step or a run of steps closed in C++ (steps/quiet.py) holds."""
+    return len(handed) if isinstance(handed, quiet_module.QuietRun) else 1
 
 
 def release_marks(step) -> None:
